@@ -1,0 +1,178 @@
+"""GPT-2 architecture in Flax linen, with its layers stacked by :class:`remat.LayerStack`.
+
+Pre-LayerNorm blocks, learned positions, tanh-GELU MLP, tied input/output
+embeddings, causal self-attention and dropout, as in Radford et al. (2019).
+
+Parameter names follow Hugging Face's ``GPT2LMHeadModel`` so an import is a
+mechanical mapping (``h.{i}`` is index ``i`` of the stacked leaves under
+``h/block``; HF's fused ``c_attn`` is split into ``query``/``key``/``value``)::
+
+    wte/embedding                      transformer.wte.weight
+    wpe/embedding                      transformer.wpe.weight
+    h/block/ln_1/{scale,bias}[i]       transformer.h.{i}.ln_1.{weight,bias}
+    h/block/attn/{query,key,value}/... transformer.h.{i}.attn.c_attn (split in 3 on the out axis)
+    h/block/attn/c_proj/{kernel,bias}  transformer.h.{i}.attn.c_proj
+    h/block/ln_2/{scale,bias}          transformer.h.{i}.ln_2
+    h/block/mlp/c_fc/{kernel,bias}     transformer.h.{i}.mlp.c_fc
+    h/block/mlp/c_proj/{kernel,bias}   transformer.h.{i}.mlp.c_proj
+    ln_f/{scale,bias}                  transformer.ln_f
+
+Activations are tagged with ``checkpoint_name`` where they are created (see
+:data:`TAGS`); policies such as ``names:...`` and the MaxText presets select
+by these names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from remat.policies import Policy, get_policy
+from remat.stack import LayerStack
+
+# Every checkpoint name the GPT block emits (tests check the traced model agrees).
+TAGS = {
+    'query_proj': 'query projection, [B, T, H, Dh]',
+    'key_proj': 'key projection, [B, T, H, Dh]',
+    'value_proj': 'value projection, [B, T, H, Dh]',
+    'context': 'attention output before the output projection, [B, T, H, Dh]',
+    'out_proj': 'attention output projection, [B, T, D]',
+    'mlpwi': 'MLP input projection before GELU, [B, T, 4D]',
+    'mlpwo': 'MLP output projection, [B, T, D]',
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+  """Shape and regularisation of a GPT-2 model.
+
+  Attributes:
+    vocab_size: tokens (256 for byte-level text, 50257 for GPT-2's BPE).
+    max_len: learned positions (HF ``n_positions``).
+    num_layers: transformer blocks (HF ``n_layer``).
+    num_heads: attention heads (HF ``n_head``).
+    d_model: width (HF ``n_embd``).
+    dropout: embedding, attention and residual dropout rate (HF uses 0.1 for all).
+    layer_norm_eps: LayerNorm epsilon.
+  """
+  vocab_size: int = 256
+  max_len: int = 256
+  num_layers: int = 6
+  num_heads: int = 4
+  d_model: int = 128
+  dropout: float = 0.1
+  layer_norm_eps: float = 1e-5
+
+  def __post_init__(self):
+    for f in ('vocab_size', 'max_len', 'num_layers', 'num_heads', 'd_model'):
+      if getattr(self, f) < 1:
+        raise ValueError(f'GPTConfig.{f} must be >= 1, got {getattr(self, f)}')
+    if self.d_model % self.num_heads:
+      raise ValueError(f'GPTConfig.d_model ({self.d_model}) must be divisible by '
+                       f'num_heads ({self.num_heads})')
+    if not 0.0 <= self.dropout < 1.0:
+      raise ValueError(f'GPTConfig.dropout must be in [0, 1), got {self.dropout}')
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
+
+
+def _dense(features: int, name: str, std: float = 0.02) -> nn.Dense:
+  return nn.Dense(features, kernel_init=nn.initializers.normal(std), name=name)
+
+
+def _dropout_keys(rng, n: int):
+  return (None,) * n if rng is None else tuple(jax.random.fold_in(rng, i) for i in range(n))
+
+
+class Attention(nn.Module):
+  """Causal multi-head self-attention."""
+  config: GPTConfig
+  deterministic: bool
+
+  @nn.compact
+  def __call__(self, x, rng):
+    cfg = self.config
+    b, t, _ = x.shape
+    split = lambda y: y.reshape(b, t, cfg.num_heads, cfg.head_dim)
+    q = checkpoint_name(split(_dense(cfg.d_model, 'query')(x)), 'query_proj')
+    k = checkpoint_name(split(_dense(cfg.d_model, 'key')(x)), 'key_proj')
+    v = checkpoint_name(split(_dense(cfg.d_model, 'value')(x)), 'value_proj')
+    scores = jnp.einsum('bqhd,bkhd->bhqk', q, k) / math.sqrt(cfg.head_dim)
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    attn_key, resid_key = _dropout_keys(rng, 2)
+    probs = nn.Dropout(cfg.dropout)(probs, self.deterministic, rng=attn_key)
+    ctx = checkpoint_name(jnp.einsum('bhqk,bkhd->bqhd', probs, v), 'context')
+    out = _dense(cfg.d_model, 'c_proj', 0.02 / math.sqrt(2 * cfg.num_layers))(
+        ctx.reshape(b, t, cfg.d_model))
+    out = checkpoint_name(out, 'out_proj')
+    return nn.Dropout(cfg.dropout)(out, self.deterministic, rng=resid_key)
+
+
+class MLP(nn.Module):
+  """Two-layer tanh-GELU MLP of width 4 * d_model."""
+  config: GPTConfig
+  deterministic: bool
+
+  @nn.compact
+  def __call__(self, x, rng):
+    cfg = self.config
+    h = checkpoint_name(_dense(4 * cfg.d_model, 'c_fc')(x), 'mlpwi')
+    h = nn.gelu(h, approximate=True)
+    out = _dense(cfg.d_model, 'c_proj', 0.02 / math.sqrt(2 * cfg.num_layers))(h)
+    out = checkpoint_name(out, 'mlpwo')
+    return nn.Dropout(cfg.dropout)(out, self.deterministic, rng=rng)
+
+
+class Block(nn.Module):
+  """Pre-LN transformer block, in the layer-stack convention (x, rng) -> (x, None)."""
+  config: GPTConfig
+  deterministic: bool = True
+
+  @nn.compact
+  def __call__(self, x, rng):
+    cfg = self.config
+    attn_key, mlp_key = _dropout_keys(rng, 2)
+    h = nn.LayerNorm(cfg.layer_norm_eps, name='ln_1')(x)
+    x = x + Attention(cfg, self.deterministic, name='attn')(h, attn_key)
+    h = nn.LayerNorm(cfg.layer_norm_eps, name='ln_2')(x)
+    x = x + MLP(cfg, self.deterministic, name='mlp')(h, mlp_key)
+    return x, None
+
+
+class GPT(nn.Module):
+  """GPT-2 language model returning next-token logits [B, T, vocab].
+
+  Attributes:
+    config: model shape.
+    policy: remat policy (a :class:`~remat.policies.Policy` or a spec string).
+  """
+  config: GPTConfig
+  policy: Policy | str = 'none'
+
+  @nn.compact
+  def __call__(self, tokens, *, deterministic: bool = True):
+    cfg = self.config
+    policy = get_policy(self.policy, num_layers=cfg.num_layers)
+    t = tokens.shape[1]
+    if t > cfg.max_len:
+      raise ValueError(f'sequence length {t} exceeds the model max_len {cfg.max_len}')
+    init = nn.initializers.normal(0.02)
+    wte = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, name='wte')
+    wpe = nn.Embed(cfg.max_len, cfg.d_model, embedding_init=nn.initializers.normal(0.01),
+                   name='wpe')
+    x = wte(tokens) + wpe(jnp.arange(t))[None]
+    x = nn.Dropout(cfg.dropout)(x, deterministic)
+    x = LayerStack(Block, cfg.num_layers, policy,
+                   block_kwargs={'config': cfg, 'deterministic': deterministic},
+                   name='h')(x, deterministic=deterministic)
+    x = nn.LayerNorm(cfg.layer_norm_eps, name='ln_f')(x)
+    return wte.attend(x)

@@ -1,0 +1,281 @@
+"""Named rematerialization policies and their spec grammar.
+
+A policy has two parts:
+
+* a **per-layer rule**: which values of one layer are kept for the backward
+  pass (a ``jax.checkpoint`` policy), or no remat at all (``none``);
+* a **segmenting** of a stack of N layers: per layer (the default), fixed
+  segments of K layers (``seg:K``), or ``sqrt`` (K = round(sqrt(N))). A
+  segment is checkpointed as a whole and saves only its input; during the
+  backward pass it is re-run once, and inside it the per-layer rule applies.
+
+Spec grammar (what ``--remat`` and :func:`get_policy` accept)::
+
+    SPEC      := RULE | SEGMENTS | RULE "@" SEGMENTS
+    RULE      := none | full | everything | dots | dots_no_batch
+               | names:TAG[,TAG...] | offload:TAG[,TAG...] | PRESET
+    SEGMENTS  := sqrt | seg:K
+
+``sqrt`` alone is Chen et al.'s scheme (``none@sqrt``): segment inputs are
+saved and a segment keeps all its activations while it is recomputed.
+``full@sqrt`` additionally remats every layer inside the segment: less memory,
+one more forward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Iterable, Sequence
+
+import jax
+
+cp = jax.checkpoint_policies
+
+
+class PolicyError(ValueError):
+  """A remat spec that cannot be used; the message is one line."""
+
+
+# Rules that need no argument: name -> (description, factory of the JAX policy).
+# ``None`` as factory means "do not remat".
+_RULES: dict[str, tuple[str, Callable | None]] = {
+    'none': ('no remat: every activation is stored (the baseline)', None),
+    'full': ('save nothing inside a layer; recompute the whole layer '
+             '(nothing_saveable)', lambda: cp.nothing_saveable),
+    'everything': ('save everything (everything_saveable); a control that '
+                   'should cost what none costs', lambda: cp.everything_saveable),
+    'dots': ('save every matmul output, incl. batched ones such as attention '
+             'scores (dots_saveable)', lambda: cp.dots_saveable),
+    'dots_no_batch': ('save matmuls without batch dims (weight matmuls), '
+                      'recompute attention scores and elementwise ops '
+                      '(dots_with_no_batch_dims_saveable)',
+                      lambda: cp.dots_with_no_batch_dims_saveable),
+}
+
+_QKV = ('query_proj', 'key_proj', 'value_proj')
+
+# MaxText presets over our tag vocabulary: name -> (kind, tags, description).
+# MaxText's fused 'qkv_proj' maps to our separate query/key/value tags and its
+# gated 'mlpwi_0'/'mlpwi_1' to our single 'mlpwi' (GPT-2 has no gated MLP).
+PRESETS: dict[str, tuple[str, tuple[str, ...], str]] = {
+    'minimal': ('names', _QKV + ('out_proj', 'mlpwi', 'mlpwo'),
+                'MaxText minimal: save every weight matmul output'),
+    'minimal_with_context': ('names', _QKV + ('context', 'out_proj', 'mlpwi', 'mlpwo'),
+                             'MaxText minimal_with_context: minimal + attention context'),
+    'save_dot_with_context_except_mlp': ('names', _QKV + ('context', 'out_proj'),
+                                         'MaxText: save attention matmuls and context, recompute the MLP'),
+    'save_dot_except_mlpwi': ('names', _QKV + ('out_proj', 'mlpwo'),
+                              'MaxText: save all weight matmuls except the MLP input projection'),
+    'save_dot_except_mlp': ('names', _QKV + ('out_proj',),
+                            'MaxText: save attention weight matmuls, recompute the MLP'),
+    'save_qkv_proj': ('names', _QKV, 'MaxText: save only the q/k/v projections'),
+    'save_out_proj': ('names', ('out_proj',), 'MaxText: save only the attention output projection'),
+    'qkv_proj_offloaded': ('offload', _QKV,
+                           'MaxText: offload q/k/v projections to pinned host memory'),
+    'minimal_offloaded': ('offload', _QKV + ('out_proj', 'mlpwi', 'mlpwo'),
+                          'MaxText: offload every weight matmul output to pinned host memory'),
+}
+
+_TAG_RULES = ('names', 'offload')
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """An immutable remat policy: a per-layer rule plus a segmenting.
+
+  Attributes:
+    spec: canonical spec string (parses back to an equal policy).
+    rule: 'none', 'full', 'everything', 'dots', 'dots_no_batch', 'names' or
+      'offload'.
+    tags: checkpoint names saved ('names') or offloaded ('offload').
+    segment: None (per layer), 'sqrt', or a fixed segment size K.
+    description: one line for humans.
+  """
+
+  spec: str
+  rule: str
+  tags: tuple[str, ...] = ()
+  segment: int | str | None = None
+  description: str = ''
+
+  @property
+  def remat_layers(self) -> bool:
+    """True when each layer is wrapped in ``jax.checkpoint``."""
+    return self.rule != 'none'
+
+  @property
+  def offloads(self) -> bool:
+    """True when the policy asks XLA to move residuals to host memory."""
+    return self.rule == 'offload'
+
+  @property
+  def jax_policy(self) -> Callable | None:
+    """The per-layer ``jax.checkpoint`` policy, or None for no remat.
+
+    Pass it to ``nn.remat(Block, policy=...)`` or ``jax.checkpoint``.
+    """
+    if self.rule == 'names':
+      return cp.save_only_these_names(*self.tags)
+    if self.rule == 'offload':
+      return cp.save_and_offload_only_these_names(
+          names_which_can_be_saved=[], names_which_can_be_offloaded=list(self.tags),
+          offload_src='device', offload_dst='pinned_host')
+    factory = _RULES[self.rule][1]
+    return None if factory is None else factory()
+
+  def segment_size(self, num_layers: int) -> int | None:
+    """Layers per checkpointed segment for a stack of ``num_layers``, or None.
+
+    Raises:
+      PolicyError: if a fixed segment size is not in [1, num_layers].
+    """
+    if self.segment is None:
+      return None
+    if self.segment == 'sqrt':
+      return max(1, round(math.sqrt(num_layers)))
+    if not 1 <= self.segment <= num_layers:
+      raise PolicyError(
+          f"remat policy '{self.spec}': segment size {self.segment} is out of range; "
+          f'valid sizes for this {num_layers}-layer stack are 1..{num_layers}')
+    return self.segment
+
+  def validate(self, num_layers: int | None = None,
+               tags: Iterable[str] | None = None) -> 'Policy':
+    """Checks the policy against a model; returns self.
+
+    Args:
+      num_layers: depth of the layer stack (checks the segment size).
+      tags: the checkpoint names the model really emits (checks names:/offload:).
+
+    Raises:
+      PolicyError: with a one-line message naming what is valid.
+    """
+    if num_layers is not None:
+      self.segment_size(num_layers)
+    if tags is not None and self.rule in _TAG_RULES:
+      known = set(tags)
+      unknown = [t for t in self.tags if t not in known]
+      if unknown:
+        raise PolicyError(
+            f"remat policy '{self.spec}': unknown tag(s) {', '.join(unknown)}; "
+            f"this model emits: {', '.join(sorted(known))}")
+    return self
+
+  def remat(self, module_cls, *, prevent_cse: bool = True, **kwargs):
+    """Wraps a Flax module class in ``nn.remat`` with this rule (or not at all).
+
+    Use ``prevent_cse=False`` only when the module runs inside ``nn.scan``.
+    """
+    import flax.linen as nn  # local: the policy module itself needs only jax
+    if not self.remat_layers:
+      return module_cls
+    return nn.remat(module_cls, policy=self.jax_policy, prevent_cse=prevent_cse, **kwargs)
+
+
+def _parse_tags(kind: str, arg: str, spec: str) -> tuple[str, ...]:
+  tags = tuple(t.strip() for t in arg.split(','))
+  if not arg.strip() or any(not t for t in tags):
+    raise PolicyError(
+        f"remat policy '{spec}': empty tag in '{kind}:'; write {kind}:TAG[,TAG...] "
+        f'with tags such as {", ".join(_QKV)}')
+  return tags
+
+
+def _parse_rule(text: str, spec: str) -> tuple[str, tuple[str, ...], str]:
+  kind, sep, arg = text.partition(':')
+  if sep and kind in _TAG_RULES:
+    tags = _parse_tags(kind, arg, spec)
+    verb = 'save only' if kind == 'names' else 'offload to host'
+    return kind, tags, f'{verb}: {", ".join(tags)}'
+  if text in _TAG_RULES:
+    raise PolicyError(f"remat policy '{spec}': '{text}' needs tags, e.g. {text}:query_proj,key_proj")
+  if text in _RULES:
+    return text, (), _RULES[text][0]
+  if text in PRESETS:
+    kind, tags, desc = PRESETS[text]
+    return kind, tags, desc
+  raise PolicyError(f"unknown remat policy '{spec}'; valid: {', '.join(policy_names())} "
+                    '(see --remat=list)')
+
+
+def _parse_segment(text: str, spec: str) -> int | str:
+  if text == 'sqrt':
+    return 'sqrt'
+  kind, sep, arg = text.partition(':')
+  if kind == 'seg' and sep:
+    try:
+      k = int(arg)
+    except ValueError:
+      k = None
+    if k is None or k < 1:
+      raise PolicyError(f"remat policy '{spec}': segment size must be an integer >= 1, got '{arg}'")
+    return k
+  raise PolicyError(f"remat policy '{spec}': unknown segmenting '{text}'; valid: sqrt, seg:K")
+
+
+def get_policy(spec: str | Policy, *, num_layers: int | None = None,
+               tags: Iterable[str] | None = None) -> Policy:
+  """Parses a spec string into a :class:`Policy`.
+
+  Args:
+    spec: e.g. 'none', 'full', 'dots', 'names:query_proj,out_proj', 'sqrt',
+      'seg:4', 'full@sqrt', 'save_qkv_proj@seg:3'. A Policy is returned as is
+      (after validation).
+    num_layers: if given, the segment size is checked against it.
+    tags: if given, names:/offload: tags are checked against it.
+
+  Returns:
+    The policy.
+
+  Raises:
+    PolicyError: one line saying what is wrong and what is valid.
+  """
+  if isinstance(spec, Policy):
+    return spec.validate(num_layers, tags)
+  text = (spec or '').strip()
+  if not text:
+    raise PolicyError(f"empty remat policy; valid: {', '.join(policy_names())}")
+  rule_text, at, seg_text = text.partition('@')
+  segment = None
+  if at:
+    segment = _parse_segment(seg_text.strip(), text)
+  elif rule_text == 'sqrt' or rule_text.startswith('seg:'):
+    rule_text, segment = 'none', _parse_segment(rule_text, text)
+  rule, tag_tuple, desc = _parse_rule(rule_text.strip(), text)
+  canon_rule = rule_text.strip() if rule_text.strip() in PRESETS else (
+      f'{rule}:{",".join(tag_tuple)}' if rule in _TAG_RULES else rule)
+  if segment is None:
+    canon = canon_rule
+  else:
+    seg = 'sqrt' if segment == 'sqrt' else f'seg:{segment}'
+    canon = seg if canon_rule == 'none' else f'{canon_rule}@{seg}'
+    where = 'round(sqrt(N))' if segment == 'sqrt' else str(segment)
+    desc = (f'checkpointed segments of {where} layers (segment inputs saved)' if rule == 'none'
+            else f'{desc}; per layer, inside checkpointed segments of {where} layers')
+  return Policy(canon, rule, tag_tuple, segment, desc).validate(num_layers, tags)
+
+
+def policy_names() -> list[str]:
+  """Names accepted on their own (rules, presets, segmentings)."""
+  return list(_RULES) + list(PRESETS) + ['sqrt', 'seg:K', 'names:T1,..', 'offload:T1,..']
+
+
+def list_policies() -> list[tuple[str, str]]:
+  """Every registered policy and form, as (spec, one-line description)."""
+  rows = [(name, desc) for name, (desc, _) in _RULES.items()]
+  rows += [('names:T1,T2,...', 'save only the values tagged T1, T2, ... (save_only_these_names)'),
+           ('offload:T1,T2,...', 'offload the values tagged T1, T2, ... to pinned host memory, '
+            'recompute the rest (save_and_offload_only_these_names)')]
+  rows += [(name, desc) for name, (_, _, desc) in PRESETS.items()]
+  rows += [('sqrt', 'Chen et al.: checkpointed segments of round(sqrt(N)) layers; '
+            'segment inputs saved, one extra forward'),
+           ('seg:K', 'checkpointed segments of K layers (a shorter last segment if K does not divide N)'),
+           ('RULE@sqrt, RULE@seg:K', 'per-layer RULE inside checkpointed segments, e.g. full@sqrt')]
+  return rows
+
+
+def registered_specs(sample_tags: Sequence[str] = _QKV) -> list[str]:
+  """Concrete specs covering every rule and preset (used by the tests)."""
+  return (list(_RULES) + [f'names:{",".join(sample_tags)}', f'offload:{",".join(sample_tags)}']
+          + list(PRESETS))

@@ -1,0 +1,1 @@
+"""Training on byte-level text: data, steps, the run loop and the command line."""

@@ -1,0 +1,76 @@
+"""Command line of ``train.py``: flags -> :class:`TrainConfig` -> :func:`train`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from configs import config_names, load_config
+from remat.policies import PolicyError, list_policies
+from training.data import DataError
+from training.trainer import RunError, TrainConfig, train
+
+_FLAGS = {  # flag -> (type, help); defaults come from the named config, then TrainConfig
+    'steps': (int, 'optimizer steps'),
+    'batch_size': (int, 'sequences per step'),
+    'seq_len': (int, 'tokens (bytes) per sequence, at most the config max_len'),
+    'lr': (float, 'peak AdamW learning rate (linear warmup, cosine decay to 10%%)'),
+    'warmup_steps': (int, 'linear warmup steps'),
+    'weight_decay': (float, 'AdamW weight decay'),
+    'grad_clip': (float, 'global gradient-norm clip'),
+    'seed': (int, 'seed of initialisation, batches and dropout'),
+    'eval_every': (int, 'validation loss every N steps (and at the end)'),
+    'eval_batches': (int, 'validation batches per evaluation'),
+    'save_every': (int, 'orbax checkpoint every N steps (and at the end)'),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog='train.py', description='Train a GPT-2-style byte-level model with a named remat policy.',
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument('--remat', default='sqrt', metavar='SPEC',
+                 help="remat policy spec, e.g. none, full, dots, names:query_proj,out_proj, sqrt, "
+                      "seg:4, full@sqrt; 'list' prints them all")
+  p.add_argument('--config', default='tiny', help=f"named config: {', '.join(config_names())}")
+  for name, (typ, help_) in _FLAGS.items():
+    p.add_argument('--' + name.replace('_', '-'), type=typ, default=None,
+                   help=help_ + ' (default: from the config)')
+  p.add_argument('--data', default=None, metavar='PATH',
+                 help="text file or folder of text files (default: this Python's stdlib source)")
+  p.add_argument('--out', default=None, metavar='DIR',
+                 help='output folder for metrics.jsonl and checkpoints (default: runs/CONFIG-SPEC)')
+  p.add_argument('--resume', action='store_true', help='continue from the latest checkpoint in --out')
+  p.add_argument('--no-memory-report', dest='memory_report', action='store_false',
+                 help='skip compiling the no-remat step for the start-up memory line')
+  return p
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+  """Flags override the named config's train section, which overrides TrainConfig."""
+  named = load_config(args.config)
+  valid = {f.name for f in dataclasses.fields(TrainConfig)}
+  values = {k: v for k, v in named.train.items() if k in valid}
+  values.update({k: v for k, v in vars(args).items() if v is not None and k in valid})
+  return TrainConfig(**values)
+
+
+def main(argv=None) -> int:
+  args = build_parser().parse_args(argv)
+  if args.remat == 'list':
+    rows = list_policies()
+    width = max(len(s) for s, _ in rows)
+    for spec, desc in rows:
+      print(f'{spec:<{width}}  {desc}')
+    return 0
+  try:
+    train(config_from_args(args))
+  except (PolicyError, DataError, RunError, ValueError) as e:
+    print(f'train.py: error: {e}', file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print('train.py: interrupted; rerun with --resume to continue from the last checkpoint',
+          file=sys.stderr)
+    return 130
+  return 0
