@@ -1,0 +1,35 @@
+"""Shared fixtures: a small GPT whose depth (5, prime) leaves a remainder segment."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.gpt import GPT, GPTConfig
+
+SMALL = GPTConfig(vocab_size=256, max_len=16, num_layers=5, num_heads=2, d_model=32, dropout=0.1)
+
+
+@pytest.fixture(scope='session')
+def small_config():
+  return SMALL
+
+
+@pytest.fixture(scope='session')
+def small_params():
+  return GPT(SMALL).init(jax.random.PRNGKey(0), jnp.zeros((1, 16), jnp.int32))['params']
+
+
+@pytest.fixture(scope='session')
+def windows():
+  """A batch of 2 byte windows of 17 tokens (16 inputs + 1 shifted target)."""
+  return jnp.asarray(np.random.default_rng(0).integers(0, 256, size=(2, 17)), jnp.int32)
+
+
+@pytest.fixture
+def text_file(tmp_path):
+  """A small deterministic text corpus (repetitive, so a few steps lower the loss)."""
+  lines = [f'def f{i}(x):\n    return x * {i} + {i % 7}\n' for i in range(400)]
+  path = tmp_path / 'corpus.txt'
+  path.write_text(''.join(lines))
+  return path

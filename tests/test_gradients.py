@@ -1,0 +1,63 @@
+"""Every policy gives the loss, gradients and optimizer step of no remat (dropout on)."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import pytest
+
+from models.gpt import GPT, TAGS
+from remat.policies import registered_specs
+from remat.tags import emitted_tags
+from training import steps as st
+
+# The small model has 5 layers: sqrt -> segments of 2 with a remainder of 1; seg:3 -> 3 + 2.
+SEGMENTED = ['sqrt', 'seg:2', 'seg:3', 'seg:5', 'seg:1', 'full@sqrt', 'dots@seg:3',
+             'dots_no_batch@sqrt', 'names:context,mlpwi@seg:2', 'save_qkv_proj@seg:4',
+             'offload:out_proj@sqrt']
+ALL = registered_specs() + SEGMENTED
+RTOL, ATOL = 1e-5, 1e-7
+DROPOUT = jax.random.PRNGKey(42)
+
+
+def _value_and_grad(config, spec, params, windows):
+  model = GPT(config, spec)
+  return jax.jit(jax.value_and_grad(lambda p: st.lm_loss(model, p, windows, DROPOUT)))(params)
+
+
+@pytest.fixture(scope='module')
+def reference(small_config, small_params, windows):
+  return _value_and_grad(small_config, 'none', small_params, windows)
+
+
+@pytest.mark.parametrize('spec', [s for s in ALL if s != 'none'])
+def test_loss_and_gradients_match_none(spec, small_config, small_params, windows, reference):
+  loss, grads = _value_and_grad(small_config, spec, small_params, windows)
+  ref_loss, ref_grads = reference
+  chex.assert_trees_all_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+  chex.assert_trees_all_close(grads, ref_grads, rtol=RTOL, atol=ATOL)
+
+
+def test_dropout_is_on(small_config, small_params, windows, reference):
+  deterministic = st.lm_loss(GPT(small_config), small_params, windows)
+  assert abs(float(deterministic) - float(reference[0])) > 1e-4
+  other = st.lm_loss(GPT(small_config), small_params, windows, jax.random.PRNGKey(7))
+  assert abs(float(other) - float(reference[0])) > 1e-4
+
+
+@pytest.mark.parametrize('spec', ['full', 'sqrt', 'full@seg:3', 'minimal', 'offload:query_proj'])
+def test_one_optimizer_step_matches_none(spec, small_config, small_params, windows):
+  tx = st.make_optimizer(1e-3, 10, 2, 0.1, 1.0)
+  def one_step(s):
+    model = GPT(small_config, s)
+    state = st.TrainState(jnp.zeros((), jnp.int32), small_params, tx.init(small_params))
+    return jax.jit(st.make_train_step(model, tx, seed=3))(state, windows)
+  (state, loss), (ref_state, ref_loss) = one_step(spec), one_step('none')
+  chex.assert_trees_all_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+  chex.assert_trees_all_close(state.params, ref_state.params, rtol=RTOL, atol=ATOL)
+  chex.assert_trees_all_close(state.opt_state, ref_state.opt_state, rtol=RTOL, atol=ATOL)
+
+
+def test_model_emits_documented_tags(small_config, small_params, windows):
+  tags = emitted_tags(lambda p, x: GPT(small_config).apply({'params': p}, x),
+                      small_params, windows[:, :-1])
+  assert tags == set(TAGS)

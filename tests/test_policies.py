@@ -1,0 +1,96 @@
+"""Spec grammar, registry contents and one-line errors of the policy module."""
+
+import jax
+import pytest
+
+from models.gpt import TAGS
+from remat import PRESETS, Policy, PolicyError, get_policy, list_policies
+from remat.policies import registered_specs
+
+cp = jax.checkpoint_policies
+
+
+@pytest.mark.parametrize('spec,rule,segment', [
+    ('none', 'none', None), ('full', 'full', None), ('dots', 'dots', None),
+    ('sqrt', 'none', 'sqrt'), ('seg:3', 'none', 3), ('full@sqrt', 'full', 'sqrt'),
+    ('dots_no_batch@seg:2', 'dots_no_batch', 2), ('minimal', 'names', None),
+    ('qkv_proj_offloaded', 'offload', None), ('names:out_proj,mlpwo', 'names', None),
+])
+def test_parse(spec, rule, segment):
+  p = get_policy(spec)
+  assert (p.rule, p.segment) == (rule, segment)
+  assert get_policy(p.spec) == p  # canonical spec round-trips
+
+
+def test_canonical_forms():
+  assert get_policy('none@sqrt').spec == 'sqrt'
+  assert get_policy(' names: query_proj , key_proj ').spec == 'names:query_proj,key_proj'
+  assert get_policy('save_qkv_proj@seg:2').spec == 'save_qkv_proj@seg:2'
+
+
+def test_policy_is_immutable_and_hashable():
+  p = get_policy('full')
+  with pytest.raises(Exception):
+    p.rule = 'none'
+  assert hash(p) == hash(get_policy('full'))
+
+
+def test_jax_policies():
+  assert get_policy('none').jax_policy is None
+  assert get_policy('full').jax_policy is cp.nothing_saveable
+  assert get_policy('everything').jax_policy is cp.everything_saveable
+  assert get_policy('dots').jax_policy is cp.dots_saveable
+  assert get_policy('dots_no_batch').jax_policy is cp.dots_with_no_batch_dims_saveable
+  assert callable(get_policy('names:context').jax_policy)
+  assert callable(get_policy('offload:context').jax_policy)
+
+
+@pytest.mark.parametrize('n,k', [(1, 1), (2, 1), (3, 2), (5, 2), (7, 3), (12, 3), (13, 4), (48, 7)])
+def test_sqrt_segment_size(n, k):
+  assert get_policy('sqrt').segment_size(n) == k
+
+
+def test_presets_use_model_tags():
+  for name, (kind, tags, _) in PRESETS.items():
+    assert kind in ('names', 'offload')
+    assert set(tags) <= set(TAGS), name
+  assert PRESETS['save_dot_except_mlp'][1] == ('query_proj', 'key_proj', 'value_proj', 'out_proj')
+
+
+def test_listing_covers_registry():
+  listed = {spec for spec, _ in list_policies()}
+  for spec in registered_specs():
+    if ':' not in spec:
+      assert spec in listed
+  assert {'sqrt', 'seg:K'} <= listed
+  assert all(desc and '\n' not in desc for _, desc in list_policies())
+
+
+@pytest.mark.parametrize('spec,kwargs,needle', [
+    ('bogus', {}, "unknown remat policy 'bogus'; valid: none, full"),
+    ('', {}, 'empty remat policy'),
+    ('names:', {}, "empty tag in 'names:'"),
+    ('names:query_proj,,key_proj', {}, "empty tag in 'names:'"),
+    ('offload:', {}, "empty tag in 'offload:'"),
+    ('names', {}, "'names' needs tags"),
+    ('seg:0', {}, 'segment size must be an integer >= 1'),
+    ('seg:x', {}, 'segment size must be an integer >= 1'),
+    ('full@cubic', {}, "unknown segmenting 'cubic'; valid: sqrt, seg:K"),
+    ('seg:6', {'num_layers': 5}, 'segment size 6 is out of range; valid sizes for this 5-layer stack are 1..5'),
+    ('names:nope', {'tags': TAGS}, 'unknown tag(s) nope; this model emits: context, key_proj'),
+    ('offload:query_proj,nope', {'tags': TAGS}, 'unknown tag(s) nope'),
+])
+def test_errors_are_one_line(spec, kwargs, needle):
+  with pytest.raises(PolicyError) as e:
+    get_policy(spec, **kwargs)
+  msg = str(e.value)
+  assert needle in msg
+  assert '\n' not in msg
+
+
+def test_policy_instance_passes_through():
+  p = get_policy('full@seg:2')
+  assert get_policy(p, num_layers=4) is p
+  with pytest.raises(PolicyError):
+    get_policy(p, num_layers=1)
+  assert isinstance(p, Policy)
