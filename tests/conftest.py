@@ -1,5 +1,12 @@
 """Shared fixtures: a small GPT whose depth (5, prime) leaves a remainder segment."""
 
+import os
+
+# Tests compile dozens of small programs; LLVM's optimisation of the CPU code is most of
+# that time and changes neither buffer assignment (memory figures) nor which values
+# remat saves. Set before JAX starts its backend.
+os.environ.setdefault('XLA_FLAGS', '--xla_backend_optimization_level=0')
+
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1,0 +1,57 @@
+"""Compiled memory of the train step on the CPU backend orders the policies as expected."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from models.gpt import GPT, GPTConfig
+from remat.memory import MemoryStats, compiled_memory, format_bytes
+from training import steps as st
+
+# Wide enough that activations dominate parameter-sized buffers.
+CONFIG = GPTConfig(vocab_size=256, max_len=64, num_layers=4, num_heads=4, d_model=64)
+BATCH = 8
+
+
+def _memory(spec: str) -> MemoryStats:
+  model = GPT(CONFIG, spec)
+  tx = st.make_optimizer(1e-3, 10, 2, 0.1, 1.0)
+  state = jax.eval_shape(lambda: st.init_state(model, tx, 0, CONFIG.max_len))
+  batch = jax.ShapeDtypeStruct((BATCH, CONFIG.max_len + 1), jnp.int32)
+  step = jax.jit(st.make_train_step(model, tx, 0), donate_argnums=0)
+  return compiled_memory(step.lower(state, batch).compile())
+
+
+@pytest.fixture(scope='module')
+def temp():
+  specs = ['none', 'everything', 'full', 'dots', 'dots_no_batch', 'sqrt', 'full@sqrt',
+           'offload:query_proj,key_proj,value_proj']
+  return {s: _memory(s) for s in specs}
+
+
+def test_ordering(temp):
+  t = {k: v.temp for k, v in temp.items()}
+  assert t['full'] < t['dots_no_batch'] <= t['dots'] < t['none']
+  assert t['sqrt'] < t['none']
+  assert t['full@sqrt'] < t['sqrt']
+
+
+def test_everything_costs_what_none_costs(temp):
+  assert abs(temp['everything'].temp - temp['none'].temp) <= 0.05 * temp['none'].temp
+
+
+def test_offload_is_a_noop_on_cpu(temp):
+  off = temp['offload:query_proj,key_proj,value_proj']
+  assert off.backend == 'cpu'
+  assert off.host_temp == 0
+
+
+def test_peak_definition(temp):
+  m = temp['none']
+  assert m.peak == m.argument + m.output - m.alias + m.temp
+  assert m.alias > 0  # the train state is donated
+
+
+def test_format_bytes():
+  assert format_bytes(512) == '512 B'
+  assert format_bytes(3 * 2**30 + 2**29) == '3.50 GiB'

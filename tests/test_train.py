@@ -1,0 +1,141 @@
+"""Configs, the training run (loss falls, resume is exact, checkpoints cross policies), CLI errors."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import config_names, load_config
+from models.gpt import GPT
+from training import cli
+from training.trainer import TrainConfig, train
+
+ROOT = Path(__file__).resolve().parents[1]
+# Hugging Face parameter counts (tied embeddings): gpt2 124M ... gpt2-xl 1.5B.
+HF_PARAMS = {'gpt2-small': 124_439_808, 'gpt2-medium': 354_823_168,
+             'gpt2-large': 774_030_080, 'gpt2-xl': 1_557_611_200}
+
+
+@pytest.mark.parametrize('name', config_names())
+def test_every_config_loads(name):
+  named = load_config(name)
+  assert named.arch == 'gpt' and named.description
+  shapes = jax.eval_shape(lambda: GPT(named.model).init(
+      jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))
+  count = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes))
+  if name in HF_PARAMS:
+    assert count == HF_PARAMS[name]
+
+
+def test_shipped_configs():
+  assert {'tiny', 'gpt2-small', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'} <= set(config_names())
+
+
+def _cfg(tmp_path, text_file, **kw):
+  base = dict(config='tiny', remat='sqrt', steps=8, batch_size=4, seq_len=32, lr=3e-3,
+              warmup_steps=2, data=str(text_file), out=str(tmp_path / 'run'), eval_every=4,
+              eval_batches=2, save_every=4, memory_report=False)
+  base.update(kw)
+  return TrainConfig(**base)
+
+
+def _rows(out):
+  return [json.loads(l) for l in (Path(out) / 'metrics.jsonl').read_text().splitlines()]
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp('full')
+  text = tmp / 'corpus.txt'
+  text.write_text(''.join(f'def f{i}(x):\n    return x * {i} + {i % 7}\n' for i in range(400)))
+  cfg = _cfg(tmp, text)
+  train(cfg, log=lambda *_: None)
+  return cfg, _rows(cfg.out)
+
+
+def test_training_lowers_the_loss(uninterrupted):
+  _, rows = uninterrupted
+  assert [r['step'] for r in rows] == list(range(1, 9))
+  assert rows[0]['loss'] > 5.0  # ~ln 256 at the start
+  assert rows[-1]['val_loss'] < rows[0]['loss'] - 1.0
+  assert {'step', 'loss', 'tokens_per_s', 'policy'} <= set(rows[0])
+  assert rows[3]['val_loss'] > rows[-1]['val_loss']
+
+
+def _interrupt_and_resume(uninterrupted, tmp_path, remat):
+  cfg, _ = uninterrupted
+  out = tmp_path / 'run'
+  shutil.copytree(cfg.out, out)
+  shutil.rmtree(out / 'checkpoints' / '8')  # as if the run had died after step 4's checkpoint
+  resumed = TrainConfig(**{**cfg.__dict__, 'out': str(out), 'resume': True, 'remat': remat})
+  train(resumed, log=lambda *_: None)
+  return _rows(out)
+
+
+def test_resume_equals_uninterrupted(uninterrupted, tmp_path):
+  rows = _interrupt_and_resume(uninterrupted, tmp_path, 'sqrt')
+  ref = uninterrupted[1]
+  assert [r['step'] for r in rows] == list(range(1, 9))
+  np.testing.assert_allclose([r['loss'] for r in rows], [r['loss'] for r in ref], rtol=1e-5)
+  assert rows[-1]['val_loss'] == pytest.approx(ref[-1]['val_loss'], rel=1e-5)
+
+
+def test_checkpoint_restores_under_another_policy(uninterrupted, tmp_path):
+  rows = _interrupt_and_resume(uninterrupted, tmp_path, 'full@seg:2')
+  ref = uninterrupted[1]
+  assert rows[-1]['policy'] == 'full@seg:2' and ref[-1]['policy'] == 'sqrt'
+  np.testing.assert_allclose([r['loss'] for r in rows], [r['loss'] for r in ref], rtol=1e-4)
+
+
+def _cli(argv, capsys):
+  code = cli.main(argv)
+  return code, capsys.readouterr()
+
+
+@pytest.mark.parametrize('argv,needle', [
+    (['--remat=bogus'], "unknown remat policy 'bogus'"),
+    (['--remat=names:nope'], 'unknown tag(s) nope; this model emits: context'),
+    (['--remat=names:'], "empty tag in 'names:'"),
+    (['--remat=seg:7'], 'segment size 7 is out of range; valid sizes for this 6-layer stack are 1..6'),
+    (['--config=gpt3'], "unknown config 'gpt3'; valid: gpt2-large"),
+    (['--seq-len=4096'], '--seq-len 4096 exceeds config tiny max_len 128'),
+    (['--steps=0'], '--steps must be >= 1'),
+    (['--data=/no/such/place'], "--data '/no/such/place' does not exist"),
+])
+def test_cli_errors_are_one_line_exit_2(argv, needle, capsys, tmp_path):
+  out = tmp_path / 'never'
+  code, cap = _cli(argv + [f'--out={out}'], capsys)
+  assert code == 2
+  lines = cap.err.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith('train.py: error: ') and needle in lines[0]
+  assert not out.exists()  # nothing half-written
+
+
+def test_existing_run_needs_resume(uninterrupted, capsys):
+  cfg, _ = uninterrupted
+  code, cap = _cli([f'--out={cfg.out}', f'--data={cfg.data}'], capsys)
+  assert code == 2 and 'pass --resume' in cap.err
+
+
+def test_list_policies(capsys):
+  code, cap = _cli(['--remat=list'], capsys)
+  assert code == 0
+  for spec in ('none', 'full', 'dots_no_batch', 'sqrt', 'seg:K', 'minimal_offloaded'):
+    assert any(line.startswith(spec + ' ') for line in cap.out.splitlines()), spec
+
+
+def test_train_py_end_to_end_error_and_help():
+  bad = subprocess.run([sys.executable, 'train.py', '--remat=nope'], cwd=ROOT,
+                       capture_output=True, text=True)
+  assert bad.returncode == 2 and bad.stderr.count('\n') == 1
+  helptext = subprocess.run([sys.executable, 'train.py', '--help'], cwd=ROOT,
+                            capture_output=True, text=True).stdout
+  for flag in ('--remat', '--config', '--steps', '--batch-size', '--seq-len', '--lr', '--seed',
+               '--data', '--out', '--resume'):
+    assert flag in helptext
