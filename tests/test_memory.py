@@ -55,3 +55,14 @@ def test_peak_definition(temp):
 def test_format_bytes():
   assert format_bytes(512) == '512 B'
   assert format_bytes(3 * 2**30 + 2**29) == '3.50 GiB'
+
+
+def test_memory_line_names_policy_backend_and_offload_noop():
+  from remat import get_policy
+  from training.trainer import memory_line
+  base = MemoryStats(argument=10, output=10, alias=10, temp=400, host_temp=0, backend='cpu')
+  mem = MemoryStats(argument=10, output=10, alias=10, temp=100, host_temp=0, backend='cpu')
+  line = memory_line(get_policy('sqrt'), mem, base)
+  assert 'XLA cpu' in line and 'with sqrt' in line and '(25%)' in line
+  assert 'no-op' in memory_line(get_policy('qkv_proj_offloaded'), mem, base)
+  assert 'no-op' not in line

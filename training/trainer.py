@@ -91,13 +91,18 @@ def compile_step(model, tx, cfg: TrainConfig, state_shape):
 
 
 def memory_line(policy: Policy, mem: MemoryStats, base: MemoryStats) -> str:
-  """The start-up line: compiled temp bytes of the policy next to no remat."""
+  """The start-up line: compiled temp bytes of the policy's train step next to no remat.
+
+  ``temp`` holds the residuals saved for the backward pass and the recompute
+  working set, but also gradient and optimizer temporaries that no policy
+  changes (definitions in :mod:`remat.memory`).
+  """
   ratio = mem.temp / base.temp if base.temp else float('nan')
-  note = ' (host offload is a no-op on CPU: no saving is shown for it)' if (
+  note = ' (host offload is a no-op on the CPU backend: it saves nothing here)' if (
       policy.offloads and mem.backend == 'cpu') else ''
-  return (f'activation memory (XLA {mem.backend} compiled temp of the train step): '
-          f'{policy.spec} {format_bytes(mem.temp)} vs none {format_bytes(base.temp)} '
-          f'= {ratio:.0%}; peak {format_bytes(mem.peak)} vs {format_bytes(base.peak)}{note}')
+  return (f'memory (XLA {mem.backend} plan of the train step, compile only): temp '
+          f'{format_bytes(mem.temp)} with {policy.spec} vs {format_bytes(base.temp)} with none '
+          f'({ratio:.0%}); peak {format_bytes(mem.peak)} vs {format_bytes(base.peak)}{note}')
 
 
 def _manager(out: Path, save_every: int) -> ocp.CheckpointManager:
