@@ -58,11 +58,6 @@ class _Segment(nn.Module):
     return x, None
 
 
-def _split_layout(num_layers: int, size: int):
-  full, rest = divmod(num_layers, size)
-  return full, rest
-
-
 class _Segmented(nn.Module):
   """Scan over checkpointed segments (saving only segment inputs), then the remainder."""
   block_cls: Any
@@ -73,7 +68,7 @@ class _Segmented(nn.Module):
 
   @nn.compact
   def __call__(self, x, keys):
-    full, rest = _split_layout(self.num_layers, self.size)
+    full, rest = divmod(self.num_layers, self.size)
     seg_cls = nn.remat(_Segment, policy=jax.checkpoint_policies.nothing_saveable,
                        prevent_cse=False)
     kw = dict(block_cls=self.block_cls, block_kwargs=self.block_kwargs, policy=self.policy)
@@ -87,7 +82,7 @@ class _Segmented(nn.Module):
 
 def _split_stacked(tree, num_layers: int, size: int):
   """[N, ...] leaves -> ([N//K, K, ...], [1, N%K, ...]) leaves."""
-  full, rest = _split_layout(num_layers, size)
+  full, rest = divmod(num_layers, size)
   cut = full * size
   main = jax.tree_util.tree_map(lambda a: a[:cut].reshape((full, size) + a.shape[1:]), tree)
   tail = jax.tree_util.tree_map(lambda a: a[cut:].reshape((1, rest) + a.shape[1:]), tree)

@@ -9,7 +9,7 @@ import sys
 from configs import config_names, load_config
 from remat.policies import PolicyError, list_policies
 from training.data import DataError
-from training.trainer import RunError, TrainConfig, train
+from training.trainer import RunError, TrainConfig, read_meta, train
 
 _FLAGS = {  # flag -> (type, help); defaults come from the named config, then TrainConfig
     'steps': (int, 'optimizer steps'),
@@ -30,10 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
       prog='train.py', description='Train a GPT-2-style byte-level model with a named remat policy.',
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument('--remat', default='sqrt', metavar='SPEC',
+  p.add_argument('--remat', default=None, metavar='SPEC',
                  help="remat policy spec, e.g. none, full, dots, names:query_proj,out_proj, sqrt, "
-                      "seg:4, full@sqrt; 'list' prints them all")
-  p.add_argument('--config', default='tiny', help=f"named config: {', '.join(config_names())}")
+                      "seg:4, full@sqrt; 'list' prints them all (default: sqrt, or the resumed run's)")
+  p.add_argument('--config', default=None,
+                 help=f"named config: {', '.join(config_names())} (default: tiny, or the resumed run's)")
   for name, (typ, help_) in _FLAGS.items():
     p.add_argument('--' + name.replace('_', '-'), type=typ, default=None,
                    help=help_ + ' (default: from the config)')
@@ -48,11 +49,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-  """Flags override the named config's train section, which overrides TrainConfig."""
-  named = load_config(args.config)
+  """Settings, later ones winning: TrainConfig defaults, the named config's train section,
+  the resumed run's recorded settings (with --resume), explicit flags."""
   valid = {f.name for f in dataclasses.fields(TrainConfig)}
-  values = {k: v for k, v in named.train.items() if k in valid}
-  values.update({k: v for k, v in vars(args).items() if v is not None and k in valid})
+  flags = {k: v for k, v in vars(args).items() if v is not None and k in valid}
+  recorded = {}
+  if args.resume:
+    out = TrainConfig(**{k: v for k, v in flags.items() if k in ('config', 'remat', 'out')}).out_dir
+    meta = read_meta(out) or {}
+    recorded = {k: v for k, v in meta.get('train', {}).items() if k in valid and k != 'out'}
+  name = flags.get('config', recorded.get('config', TrainConfig.config))
+  values = {k: v for k, v in load_config(name).train.items() if k in valid}
+  values.update(recorded)
+  values.update(flags)
   return TrainConfig(**values)
 
 

@@ -129,6 +129,18 @@ def restore(out: Path, state_shape, step: int | None = None):
   return got.state, got.meta
 
 
+def read_meta(out: Path) -> dict | None:
+  """The settings recorded in ``out``'s latest checkpoint, or None if it has none."""
+  if not (out / 'checkpoints').is_dir():
+    return None
+  mngr = _manager(out, 1)
+  step = mngr.latest_step()
+  meta = None if step is None else mngr.restore(
+      step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+  mngr.close()
+  return meta
+
+
 def _drop_rows_after(path: Path, step: int):
   # A resumed run re-does the steps after its checkpoint; their old rows go.
   if path.exists():
