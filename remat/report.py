@@ -1,4 +1,4 @@
-"""Compiled memory of the train step per remat policy: ``python -m remat.report``.
+"""Compiled memory and recompute FLOPs of the train step per policy: ``python -m remat.report``.
 
 Compile only: inputs are abstract (``jax.ShapeDtypeStruct``), nothing is
 allocated, so shapes far larger than the machine can be planned. Figures are
@@ -8,12 +8,14 @@ defined in :mod:`remat.memory`; the backend that produced them is printed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
+from remat.flops import FlopCount, count_flops
 from remat.memory import MemoryStats, compiled_memory, format_bytes
 from remat.policies import PolicyError, get_policy, registered_specs
 
@@ -21,8 +23,15 @@ DEFAULT_POLICIES = ('none', 'full', 'dots', 'dots_no_batch', 'sqrt', 'full@sqrt'
                     'save_qkv_proj')
 
 
-def train_step_memory(config_name: str, spec: str, batch_size: int, seq_len: int) -> MemoryStats:
-  """Compiles the GPT train step (AdamW update included, state donated) and reads its memory."""
+@dataclasses.dataclass(frozen=True)
+class PolicyCost:
+  """What one policy's train step costs: compiled memory and matmul FLOPs (recompute included)."""
+  memory: MemoryStats
+  flops: FlopCount
+
+
+def train_step_cost(config_name: str, spec: str, batch_size: int, seq_len: int) -> PolicyCost:
+  """Compiles the GPT train step (AdamW update included, state donated) and counts its FLOPs."""
   from configs import load_config
   from models.gpt import GPT
   from training import steps as st
@@ -34,8 +43,9 @@ def train_step_memory(config_name: str, spec: str, batch_size: int, seq_len: int
   tx = st.make_optimizer(1e-3, 1000, 10, 0.1, 1.0)
   state = jax.eval_shape(lambda: st.init_state(model, tx, 0, seq_len))
   batch = jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32)
-  compiled = jax.jit(st.make_train_step(model, tx, 0), donate_argnums=0).lower(state, batch).compile()
-  return compiled_memory(compiled)
+  step = st.make_train_step(model, tx, 0)
+  compiled = jax.jit(step, donate_argnums=0).lower(state, batch).compile()
+  return PolicyCost(compiled_memory(compiled), count_flops(step, state, batch))
 
 
 def main(argv=None) -> int:
@@ -58,18 +68,22 @@ def main(argv=None) -> int:
     for spec in specs:
       t = time.perf_counter()
       print(f'compiling {spec} ...', file=sys.stderr, flush=True)
-      rows[spec] = train_step_memory(args.config, spec, args.batch_size, args.seq_len)
+      rows[spec] = train_step_cost(args.config, spec, args.batch_size, args.seq_len)
       print(f'  {time.perf_counter() - t:.1f}s', file=sys.stderr, flush=True)
   except (PolicyError, ValueError) as e:
     print(f'remat.report: error: {e}', file=sys.stderr)
     return 2
   base = rows['none']
   print(f'# train step, config {args.config}, batch {args.batch_size} x seq {args.seq_len}, float32, '
-        f'XLA {base.backend} backend, compile only (jax {jax.__version__})')
-  print(f"{'policy':<22}{'temp':>12}{'peak':>12}{'temp/none':>11}{'host temp':>12}")
-  for spec, m in rows.items():
+        f'XLA {base.memory.backend} backend, compile only (jax {jax.__version__})')
+  print(f"{'policy':<22}{'temp':>12}{'peak':>12}{'temp/none':>11}{'host temp':>12}{'recompute':>11}")
+  for spec, c in rows.items():
+    m = c.memory
+    ratio = c.flops.flops / base.flops.flops
     print(f'{spec:<22}{format_bytes(m.temp):>12}{format_bytes(m.peak):>12}'
-          f'{m.temp / base.temp:>10.1%}{format_bytes(m.host_temp):>12}')
+          f'{m.temp / base.memory.temp:>10.1%}{format_bytes(m.host_temp):>12}{ratio:>10.3f}x'
+          + ('' if c.flops.exact else ' (while loop counted once)'))
+  print('# recompute = matmul FLOPs of the whole step (jaxpr walk, scans multiplied) / those of none')
   return 0
 
 
