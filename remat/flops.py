@@ -21,7 +21,7 @@ from typing import Callable
 
 import jax
 
-from remat.tags import _sub_jaxprs
+from remat.tags import sub_jaxprs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +65,7 @@ def _walk(jaxpr) -> tuple[int, bool]:
       if name == 'while':
         exact = False
       for param in eqn.params.values():
-        for sub in _sub_jaxprs(param):
+        for sub in sub_jaxprs(param):
           count, ok = _walk(sub)
           total, exact = total + count, exact and ok
   return total, exact

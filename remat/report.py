@@ -13,7 +13,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 
 from remat.flops import FlopCount, count_flops
 from remat.memory import MemoryStats, compiled_memory, format_bytes
@@ -41,11 +40,10 @@ def train_step_cost(config_name: str, spec: str, batch_size: int, seq_len: int) 
   policy = get_policy(spec, num_layers=named.model.num_layers)
   model = GPT(named.model, policy)
   tx = st.make_optimizer(1e-3, 1000, 10, 0.1, 1.0)
-  state = jax.eval_shape(lambda: st.init_state(model, tx, 0, seq_len))
-  batch = jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32)
-  step = st.make_train_step(model, tx, 0)
-  compiled = jax.jit(step, donate_argnums=0).lower(state, batch).compile()
-  return PolicyCost(compiled_memory(compiled), count_flops(step, state, batch))
+  state, batch = st.abstract_inputs(model, tx, batch_size, seq_len)
+  compiled = st.compile_train_step(model, tx, 0, state, batch)
+  return PolicyCost(compiled_memory(compiled),
+                    count_flops(st.make_train_step(model, tx, 0), state, batch))
 
 
 def main(argv=None) -> int:

@@ -8,7 +8,7 @@ import jax
 from jax.extend import core as jcore
 
 
-def _sub_jaxprs(value: Any) -> Iterator[Any]:
+def sub_jaxprs(value: Any) -> Iterator[Any]:
   """Yields the jaxprs held in an equation parameter (scan, remat, pjit, cond, ...)."""
   if isinstance(value, jcore.ClosedJaxpr):
     yield value.jaxpr
@@ -16,7 +16,7 @@ def _sub_jaxprs(value: Any) -> Iterator[Any]:
     yield value
   elif isinstance(value, (tuple, list)):
     for v in value:
-      yield from _sub_jaxprs(v)
+      yield from sub_jaxprs(v)
 
 
 def iter_eqns(jaxpr) -> Iterator[Any]:
@@ -24,7 +24,7 @@ def iter_eqns(jaxpr) -> Iterator[Any]:
   for eqn in jaxpr.eqns:
     yield eqn
     for param in eqn.params.values():
-      for sub in _sub_jaxprs(param):
+      for sub in sub_jaxprs(param):
         yield from iter_eqns(sub)
 
 

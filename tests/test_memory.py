@@ -1,7 +1,5 @@
 """Compiled memory of the train step on the CPU backend orders the policies as expected."""
 
-import jax
-import jax.numpy as jnp
 import pytest
 
 from models.gpt import GPT, GPTConfig
@@ -16,10 +14,8 @@ BATCH = 8
 def _memory(spec: str) -> MemoryStats:
   model = GPT(CONFIG, spec)
   tx = st.make_optimizer(1e-3, 10, 2, 0.1, 1.0)
-  state = jax.eval_shape(lambda: st.init_state(model, tx, 0, CONFIG.max_len))
-  batch = jax.ShapeDtypeStruct((BATCH, CONFIG.max_len + 1), jnp.int32)
-  step = jax.jit(st.make_train_step(model, tx, 0), donate_argnums=0)
-  return compiled_memory(step.lower(state, batch).compile())
+  state, batch = st.abstract_inputs(model, tx, BATCH, CONFIG.max_len)
+  return compiled_memory(st.compile_train_step(model, tx, 0, state, batch))
 
 
 @pytest.fixture(scope='module')

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from models.gpt import GPT, GPTConfig
+from models.gpt import GPT
 from remat import LayerStack, get_policy
 from remat.tags import iter_eqns
 

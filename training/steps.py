@@ -53,6 +53,19 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, seed: in
   return train_step
 
 
+def abstract_inputs(model: nn.Module, tx: optax.GradientTransformation, batch_size: int,
+                    seq_len: int, seed: int = 0):
+  """Shapes of the train state and of a batch of windows; nothing is allocated."""
+  state = jax.eval_shape(lambda: init_state(model, tx, seed, seq_len))
+  return state, jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32)
+
+
+def compile_train_step(model: nn.Module, tx: optax.GradientTransformation, seed: int,
+                       state, batch):
+  """AOT-compiles the train step for (abstract) ``state`` and ``batch``, donating the state."""
+  return jax.jit(make_train_step(model, tx, seed), donate_argnums=0).lower(state, batch).compile()
+
+
 def make_eval_step(model: nn.Module):
   """Returns ``eval(params, windows) -> loss`` without dropout."""
   return jax.jit(lambda params, windows: lm_loss(model, params, windows))

@@ -83,13 +83,6 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Policy]:
   return named, policy.validate(model_cfg.num_layers, tags)
 
 
-def compile_step(model, tx, cfg: TrainConfig, state_shape):
-  """AOT-compiles the train step (state donated) for the run's batch shape."""
-  batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len + 1), jnp.int32)
-  return jax.jit(st.make_train_step(model, tx, cfg.seed), donate_argnums=0).lower(
-      state_shape, batch).compile()
-
-
 def memory_line(policy: Policy, mem: MemoryStats, base: MemoryStats) -> str:
   """The start-up line: compiled temp bytes of the policy's train step next to no remat.
 
@@ -164,10 +157,11 @@ def train(cfg: TrainConfig, log=print) -> list[dict]:
 
   model = GPT(named.model, policy)
   tx = st.make_optimizer(cfg.lr, cfg.steps, cfg.warmup_steps, cfg.weight_decay, cfg.grad_clip)
-  state_shape = jax.eval_shape(lambda: st.init_state(model, tx, cfg.seed, cfg.seq_len))
-  step_fn = compile_step(model, tx, cfg, state_shape)
+  state_shape, batch_shape = st.abstract_inputs(model, tx, cfg.batch_size, cfg.seq_len, cfg.seed)
+  step_fn = st.compile_train_step(model, tx, cfg.seed, state_shape, batch_shape)
   if cfg.memory_report:
-    base = step_fn if policy.spec == 'none' else compile_step(GPT(named.model, 'none'), tx, cfg, state_shape)
+    base = step_fn if policy.spec == 'none' else st.compile_train_step(
+        GPT(named.model, 'none'), tx, cfg.seed, state_shape, batch_shape)
     log(memory_line(policy, compiled_memory(step_fn), compiled_memory(base)))
 
   meta = {'config': named.name, 'model': dataclasses.asdict(named.model), 'policy': policy.spec,
