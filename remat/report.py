@@ -1,87 +1,190 @@
-"""Compiled memory and recompute FLOPs of the train step per policy: ``python -m remat.report``.
+"""Memory, residuals, recompute FLOPs and time of the train step per policy: ``python -m remat.report``.
 
-Compile only: inputs are abstract (``jax.ShapeDtypeStruct``), nothing is
-allocated, so shapes far larger than the machine can be planned. Figures are
-defined in :mod:`remat.memory`; the backend that produced them is printed.
+Compile only by default: inputs are abstract, nothing is allocated, so shapes far
+larger than the machine can be planned, for the local CPU backend or for an
+H100/H200 target (``--target``). Figures are defined in :mod:`remat.memory`,
+:mod:`remat.residuals` and :mod:`remat.flops`; the backend or target that produced
+them is printed and written to the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
-import time
 
 import jax
+from tqdm import tqdm
 
-from remat.flops import FlopCount, count_flops
-from remat.memory import MemoryStats, compiled_memory, format_bytes
+from remat.measure import Measurement, measure
+from remat.memory import format_bytes
 from remat.policies import PolicyError, get_policy, registered_specs
+from remat.residuals import by_source, by_tag
+from remat.targets import TARGETS, Target, TargetError, get_target
+from remat.sweep import SWEEP_POLICIES, depth_sweep, format_sweep, plot_sweep
 
 DEFAULT_POLICIES = ('none', 'full', 'dots', 'dots_no_batch', 'sqrt', 'full@sqrt', 'minimal',
-                    'save_qkv_proj')
+                    'save_qkv_proj', 'save_dot_except_mlp', 'qkv_proj_offloaded')
+MODELS = ('gpt',)
 
 
-@dataclasses.dataclass(frozen=True)
-class PolicyCost:
-  """What one policy's train step costs: compiled memory and matmul FLOPs (recompute included)."""
-  memory: MemoryStats
-  flops: FlopCount
+def pareto_front(points: dict[str, tuple[float, float]]) -> set[str]:
+  """Names not dominated in (memory, cost): no other point is <= in both and < in one."""
+  front = set()
+  for name, (m, c) in points.items():
+    if not any((m2 <= m and c2 <= c) and (m2 < m or c2 < c) for m2, c2 in points.values()):
+      front.add(name)
+  return front
 
 
-def train_step_cost(config_name: str, spec: str, batch_size: int, seq_len: int) -> PolicyCost:
-  """Compiles the GPT train step (AdamW update included, state donated) and counts its FLOPs."""
-  from configs import load_config
-  from models.gpt import GPT
-  from training import steps as st
-  named = load_config(config_name)
-  if seq_len > named.model.max_len:
-    raise ValueError(f'--seq-len {seq_len} exceeds config {config_name} max_len {named.model.max_len}')
-  policy = get_policy(spec, num_layers=named.model.num_layers)
-  model = GPT(named.model, policy)
-  tx = st.make_optimizer(1e-3, 1000, 10, 0.1, 1.0)
-  state, batch = st.abstract_inputs(model, tx, batch_size, seq_len)
-  compiled = st.compile_train_step(model, tx, 0, state, batch)
-  return PolicyCost(compiled_memory(compiled),
-                    count_flops(st.make_train_step(model, tx, 0), state, batch))
+def _specs(text: str) -> list[str]:
+  if text == 'all':
+    specs = registered_specs() + ['sqrt', 'full@sqrt']
+  else:  # ';' separates specs when some of them hold ',' (names:a,b)
+    specs = [s.strip() for s in (text.split(';') if ';' in text else text.split(',')) if s.strip()]
+  return ['none'] + [s for s in specs if s != 'none']
 
 
-def main(argv=None) -> int:
+def rows(results: dict[str, Measurement]) -> list[dict]:
+  """One JSON-ready row per policy, with ratios to 'none' and the Pareto flag."""
+  base = results['none']
+  ratio = lambda a, b: (a / b) if a is not None and b else None
+  points = {s: (m.memory.temp, m.flops.flops) for s, m in results.items()}
+  front = pareto_front(points)
+  out = []
+  for spec, m in results.items():
+    out.append({
+        'policy': spec, **{k: getattr(m.memory, k) for k in
+                           ('argument', 'output', 'alias', 'temp', 'host_temp')},
+        'peak': m.memory.peak, 'residual_bytes': m.residual_bytes,
+        'residual_by_tag': by_tag(list(m.residuals)),
+        'residual_top_sources': by_source(list(m.residuals), top=8),
+        'flops': m.flops.flops, 'flops_exact': m.flops.exact,
+        'memory_ratio': ratio(m.memory.temp, base.memory.temp),
+        'recompute_ratio': ratio(m.flops.flops, base.flops.flops),
+        'step_seconds': m.step_seconds, 'time_ratio': ratio(m.step_seconds, base.step_seconds),
+        'pareto': spec in front})
+  return out
+
+
+def format_table(table: list[dict], header: str, timed: bool) -> str:
+  cols = f"{'policy':<26}{'temp':>11}{'peak':>11}{'residual':>11}{'host':>10}{'mem/none':>9}{'recompute':>10}"
+  cols += f"{'time':>8}" if timed else ''
+  lines = [header, cols + '  pareto']
+  for r in table:
+    line = (f"{r['policy']:<26}{format_bytes(r['temp']):>11}{format_bytes(r['peak']):>11}"
+            f"{format_bytes(r['residual_bytes']):>11}{format_bytes(r['host_temp']):>10}"
+            f"{r['memory_ratio']:>8.1%}{r['recompute_ratio']:>9.3f}x")
+    if timed:
+      line += f"{r['time_ratio']:>7.2f}x"
+    lines.append(line + ('  *' if r['pareto'] else ''))
+  return '\n'.join(lines)
+
+
+def plot_front(table: list[dict], path: str, title: str):
+  """PNG: temp memory against recompute ratio, Pareto front joined, points labelled."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(8, 5.5))
+  labels = {}  # policies that land on the same point share one label
+  for r in table:
+    xy = (round(r['recompute_ratio'], 4), r['temp'] / 2**30)
+    labels.setdefault(xy, []).append(r['policy'])
+    ax.scatter(*xy, color='C3' if r['pareto'] else 'C0', zorder=3)
+  for xy, names in labels.items():
+    ax.annotate(' / '.join(names), xy, fontsize=7, xytext=(4, 3), textcoords='offset points')
+  front = sorted((r['recompute_ratio'], r['temp'] / 2**30) for r in table if r['pareto'])
+  ax.plot(*zip(*front), color='C3', lw=1, label='Pareto front')
+  ax.set_xlabel('recompute ratio (matmul FLOPs / none)')
+  ax.set_ylabel('compiled temp memory (GiB)')
+  ax.set_title(title, fontsize=9)
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog='python -m remat.report', description=__doc__.splitlines()[0])
-  p.add_argument('--config', default='tiny')
+  p.add_argument('--model', default='gpt', help=f"model family: {', '.join(MODELS)}")
+  p.add_argument('--config', default='tiny', help='named config (configs/*.json)')
   p.add_argument('--batch-size', type=int, default=8)
   p.add_argument('--seq-len', type=int, default=128)
   p.add_argument('--policies', default=','.join(DEFAULT_POLICIES),
-                 help="';'-separated specs (',' also works when no spec has tags), or 'all'")
-  args = p.parse_args(argv)
-  if args.policies == 'all':
-    specs = registered_specs() + ['sqrt', 'full@sqrt']
-  else:
-    specs = [s for s in (args.policies.split(';') if ';' in args.policies
-                         else args.policies.split(',')) if s]
-  if 'none' not in specs:
-    specs = ['none'] + specs
-  rows = {}
+                 help="'all', or specs separated by ',' (by ';' when a spec holds ',')")
+  p.add_argument('--target', default='cpu', help=f"compile for: {', '.join(TARGETS)}")
+  p.add_argument('--time', action='store_true',
+                 help='also run each step (median of 5 after 2 warm-up; local backend only)')
+  p.add_argument('--json', metavar='FILE', help='write every figure and the environment as JSON')
+  p.add_argument('--plot', metavar='FILE', help='write a PNG of memory against recompute')
+  p.add_argument('--sweep', metavar='depth=N,N,...',
+                 help=f"depth sweep of {', '.join(SWEEP_POLICIES)} instead of the policy table")
+  return p
+
+
+def _check(args):
+  if args.model not in MODELS:
+    raise ValueError(f"unknown model '{args.model}'; valid: {', '.join(MODELS)}")
+  for name in ('batch_size', 'seq_len'):
+    if getattr(args, name) < 1:
+      raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+  from configs import load_config
+  return load_config(args.config)
+
+
+def _parse_sweep(text: str) -> list[int]:
+  kind, _, values = text.partition('=')
   try:
-    for spec in specs:
-      t = time.perf_counter()
-      print(f'compiling {spec} ...', file=sys.stderr, flush=True)
-      rows[spec] = train_step_cost(args.config, spec, args.batch_size, args.seq_len)
-      print(f'  {time.perf_counter() - t:.1f}s', file=sys.stderr, flush=True)
-  except (PolicyError, ValueError) as e:
+    depths = [int(v) for v in values.split(',') if v.strip()]
+  except ValueError:
+    depths = []
+  if kind != 'depth' or len(depths) < 2 or min(depths) < 1:
+    raise ValueError(f"--sweep '{text}': expected depth=N,N,... with at least two depths >= 1")
+  return sorted(set(depths))
+
+
+def main(argv=None) -> int:
+  args = build_parser().parse_args(argv)
+  try:
+    named = _check(args)
+    target: Target = get_target(args.target)
+    env = {'jax': jax.__version__, 'backend': jax.default_backend(), 'target': target.name,
+           'device': target.description, 'model': args.model, 'config': named.name,
+           'batch_size': args.batch_size, 'seq_len': args.seq_len, 'dtype': 'float32'}
+    header = (f'# train step, {args.model} {named.name}, batch {args.batch_size} x seq {args.seq_len}, '
+              f'float32, target {target.name} ({target.description}), compile only'
+              f'{" + timed on the local backend" if args.time else ""} (jax {jax.__version__})')
+    if args.sweep:
+      sweep = depth_sweep(named.model, _parse_sweep(args.sweep), args.batch_size, args.seq_len,
+                          target)
+      print(format_sweep(sweep, header))
+      if args.plot:
+        plot_sweep(sweep, args.plot, header.lstrip('# '))
+      report = {'environment': env, 'sweep': sweep}
+    else:
+      results = {}
+      for spec in tqdm(_specs(args.policies), desc='compiling', unit='policy', file=sys.stderr):
+        results[spec] = measure(named.model, spec, args.batch_size, args.seq_len, target,
+                                run=args.time)
+      table = rows(results)
+      print(format_table(table, header, args.time))
+      print('# temp/peak/host: XLA memory plan; residual: bytes saved for backward (jaxpr); '
+            'recompute: matmul FLOPs / none; * = Pareto front (temp vs recompute)')
+      if target.name == 'cpu' and any(get_policy(r['policy']).offloads for r in table):
+        print('# offload policies: host offload is a no-op on the CPU backend, so they show no '
+              'host bytes here; use --target h100|h200 for a GPU plan')
+      if args.plot:
+        plot_front(table, args.plot, header.lstrip('# '))
+      report = {'environment': env, 'policies': table}
+  except (PolicyError, TargetError, ValueError) as e:
     print(f'remat.report: error: {e}', file=sys.stderr)
     return 2
-  base = rows['none']
-  print(f'# train step, config {args.config}, batch {args.batch_size} x seq {args.seq_len}, float32, '
-        f'XLA {base.memory.backend} backend, compile only (jax {jax.__version__})')
-  print(f"{'policy':<22}{'temp':>12}{'peak':>12}{'temp/none':>11}{'host temp':>12}{'recompute':>11}")
-  for spec, c in rows.items():
-    m = c.memory
-    ratio = c.flops.flops / base.flops.flops
-    print(f'{spec:<22}{format_bytes(m.temp):>12}{format_bytes(m.peak):>12}'
-          f'{m.temp / base.memory.temp:>10.1%}{format_bytes(m.host_temp):>12}{ratio:>10.3f}x'
-          + ('' if c.flops.exact else ' (while loop counted once)'))
-  print('# recompute = matmul FLOPs of the whole step (jaxpr walk, scans multiplied) / those of none')
+  if args.json:
+    with open(args.json, 'w') as f:
+      json.dump(report, f, indent=1)
   return 0
 
 

@@ -6,6 +6,9 @@ import os
 # that time and changes neither buffer assignment (memory figures) nor which values
 # remat saves. Set before JAX starts its backend.
 os.environ.setdefault('XLA_FLAGS', '--xla_backend_optimization_level=0')
+# The tests measure the CPU backend; GPU targets are compiled for explicitly (remat.targets),
+# so an installed jax-cuda12 plugin must not become the default backend.
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
 import jax
 import jax.numpy as jnp

@@ -1,0 +1,70 @@
+"""Compile targets: the local CPU backend, or an NVIDIA GPU planned on a CPU-only machine.
+
+A GPU target is described by a ``GpuTargetConfigProto`` (``remat/targets/*.txtpb``:
+SM count, memory size, bandwidth, compute capability ...). With the jax-cuda12
+plugin and PJRT wheels installed (``pip install -e ".[gpu-plan]"``; no CUDA
+libraries or GPU needed), ``jax.experimental.topologies`` gives abstract devices
+of that GPU, and ``jit(...).lower(...).compile()`` runs XLA's real GPU pipeline,
+so ``memory_analysis()`` is the GPU's memory plan, offload to pinned host included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+
+TARGET_DIR = Path(__file__).parent / 'targets'
+GPU_TARGETS = {'h100': 'h100.txtpb', 'h200': 'h200.txtpb'}
+TARGETS = ('cpu',) + tuple(GPU_TARGETS)
+
+
+class TargetError(ValueError):
+  """A target that cannot be compiled for here; the message is one line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """Where a step is compiled for: ``sharding`` is None for the local default backend."""
+  name: str
+  description: str
+  sharding: jax.sharding.Sharding | None = None
+  device_memory: int | None = None
+
+  def place(self, tree):
+    """Gives abstract inputs this target's sharding (a no-op for the local backend)."""
+    if self.sharding is None:
+      return tree
+    return jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.sharding), tree)
+
+
+def gpu_plugin_available() -> bool:
+  """True when the jax-cuda12 plugin (needed to compile for a GPU target) is installed."""
+  try:
+    import jax_plugins.xla_cuda12  # noqa: F401
+  except ImportError:
+    return False
+  return True
+
+
+def get_target(name: str) -> Target:
+  """Returns the named target: 'cpu' (local backend), 'h100' or 'h200'.
+
+  Raises:
+    TargetError: unknown name, or the GPU plugin is missing.
+  """
+  if name == 'cpu':
+    return Target('cpu', f'local {jax.default_backend()} backend')
+  if name not in GPU_TARGETS:
+    raise TargetError(f"unknown target '{name}'; valid: {', '.join(TARGETS)}")
+  if not gpu_plugin_available():
+    raise TargetError(f"target '{name}' needs the jax-cuda12 plugin: pip install -e \".[gpu-plan]\"")
+  from jax.experimental import topologies
+  text = (TARGET_DIR / GPU_TARGETS[name]).read_text()
+  device = topologies.get_topology_desc(platform='cuda', target_config=text,
+                                        topology='1x1x1').devices[0]
+  mem = next(int(l.split(':')[1].split('#')[0]) for l in text.splitlines()
+             if l.strip().startswith('device_memory_size'))
+  return Target(name, device.device_kind, jax.sharding.SingleDeviceSharding(device), mem)

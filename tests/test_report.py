@@ -1,0 +1,94 @@
+"""remat.report: JSON schema, Pareto front, depth-sweep slopes, GPU targets, one-line errors."""
+
+import dataclasses
+import json
+
+import pytest
+
+from models.gpt import GPTConfig
+from remat import report
+from remat.measure import measure, step_memory
+from remat.sweep import depth_sweep, loglog_slope
+from remat.targets import TargetError, get_target, gpu_plugin_available
+
+SMALL = GPTConfig(vocab_size=256, max_len=32, num_layers=4, num_heads=2, d_model=32, dropout=0.1)
+
+
+def test_pareto_front():
+  pts = {'a': (10, 1.0), 'b': (5, 1.2), 'c': (6, 1.3), 'd': (10, 1.1), 'e': (5, 1.2)}
+  assert report.pareto_front(pts) == {'a', 'b', 'e'}
+
+
+def test_loglog_slope():
+  assert loglog_slope([2, 4, 8], [3, 6, 12]) == pytest.approx(1.0)
+  assert loglog_slope([4, 16, 64], [2, 4, 8]) == pytest.approx(0.5)
+
+
+def test_json_schema(tmp_path, capsys):
+  out = tmp_path / 'r.json'
+  code = report.main(['--config', 'tiny', '--batch-size', '2', '--seq-len', '16',
+                      '--policies', 'full;names:query_proj,context', '--json', str(out),
+                      '--plot', str(tmp_path / 'r.png')])
+  assert code == 0
+  text = capsys.readouterr().out
+  assert 'target cpu' in text and 'names:query_proj,context' in text
+  data = json.loads(out.read_text())
+  env = data['environment']
+  assert {'jax', 'backend', 'target', 'device', 'config', 'batch_size', 'seq_len', 'dtype'} <= set(env)
+  rows = {r['policy']: r for r in data['policies']}
+  assert list(rows) == ['none', 'full', 'names:query_proj,context']
+  for r in rows.values():
+    assert {'temp', 'peak', 'host_temp', 'residual_bytes', 'residual_by_tag', 'flops',
+            'memory_ratio', 'recompute_ratio', 'time_ratio', 'pareto'} <= set(r)
+  assert rows['none']['memory_ratio'] == 1.0 and rows['none']['recompute_ratio'] == 1.0
+  assert rows['full']['temp'] < rows['none']['temp']
+  assert set(rows['names:query_proj,context']['residual_by_tag']) >= {'query_proj', 'context'}
+  assert (tmp_path / 'r.png').stat().st_size > 10_000
+
+
+def test_time_ratio_measured_in_one_run():
+  cpu = get_target('cpu')
+  none = measure(SMALL, 'none', 2, 16, cpu, run=True)
+  full = measure(SMALL, 'full', 2, 16, cpu, run=True)
+  assert none.step_seconds > 0 and full.step_seconds > 0
+
+
+def test_depth_sweep_slopes():
+  cfg = dataclasses.replace(SMALL, max_len=64)
+  sweep = depth_sweep(cfg, [4, 16, 64], 4, 64, get_target('cpu'), policies=('none', 'sqrt'))
+  assert sweep['slopes']['none'] >= 0.9
+  assert sweep['slopes']['sqrt'] <= 0.6
+
+
+@pytest.mark.parametrize('argv,needle', [
+    (['--model', 'bert'], "unknown model 'bert'; valid: gpt"),
+    (['--target', 'tpu'], "unknown target 'tpu'; valid: cpu, h100, h200"),
+    (['--policies', 'nope'], "unknown remat policy 'nope'"),
+    (['--config', 'gpt9'], "unknown config 'gpt9'"),
+    (['--sweep', 'width=1,2'], "expected depth=N,N,..."),
+    (['--seq-len', '4096'], 'exceeds the model max_len'),
+])
+def test_errors_are_one_line(argv, needle, capsys):
+  assert report.main(argv) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[-1].startswith('remat.report: error: ') and needle in err[-1]
+
+
+@pytest.mark.skipif(not gpu_plugin_available(),
+                    reason='jax-cuda12 plugin not installed (pip install -e ".[gpu-plan]")')
+@pytest.mark.parametrize('name', ['h100', 'h200'])
+def test_gpu_target_plans_offload_to_host(name):
+  target = get_target(name)
+  assert target.description.startswith(f'NVIDIA {name.upper()}')
+  none, full, off = (step_memory(SMALL, s, 4, 32, target)
+                     for s in ('none', 'full', 'minimal_offloaded'))
+  assert full.temp < none.temp
+  assert none.host_temp == 0 and off.host_temp > 0
+  assert off.backend == name
+
+
+def test_gpu_target_error_without_plugin(monkeypatch):
+  from remat import targets
+  monkeypatch.setattr(targets, 'gpu_plugin_available', lambda: False)
+  with pytest.raises(TargetError, match='needs the jax-cuda12 plugin'):
+    targets.get_target('h200')
