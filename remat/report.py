@@ -69,12 +69,12 @@ def rows(results: dict[str, Measurement]) -> list[dict]:
 
 
 def format_table(table: list[dict], header: str, timed: bool) -> str:
-  cols = f"{'policy':<26}{'temp':>11}{'peak':>11}{'residual':>11}{'host':>10}{'mem/none':>9}{'recompute':>10}"
+  cols = f"{'policy':<26}{'temp':>11}{'peak':>11}{'residual':>11}{'host':>12}{'mem/none':>9}{'recompute':>10}"
   cols += f"{'time':>8}" if timed else ''
   lines = [header, cols + '  pareto']
   for r in table:
     line = (f"{r['policy']:<26}{format_bytes(r['temp']):>11}{format_bytes(r['peak']):>11}"
-            f"{format_bytes(r['residual_bytes']):>11}{format_bytes(r['host_temp']):>10}"
+            f"{format_bytes(r['residual_bytes']):>11}{format_bytes(r['host_temp']):>12}"
             f"{r['memory_ratio']:>8.1%}{r['recompute_ratio']:>9.3f}x")
     if timed:
       line += f"{r['time_ratio']:>7.2f}x"
