@@ -154,7 +154,8 @@ def main(argv=None) -> int:
     env = {'jax': jax.__version__, 'backend': jax.default_backend(), 'target': target.name,
            'device': target.description, 'model': args.model, 'config': named.name,
            'batch_size': args.batch_size, 'seq_len': args.seq_len, 'dtype': 'float32'}
-    header = (f'# train step, {args.model} {named.name}, batch {args.batch_size} x seq {args.seq_len}, '
+    what = 'loss gradient (no optimizer)' if args.sweep else 'train step'
+    header = (f'# {what}, {args.model} {named.name}, batch {args.batch_size} x seq {args.seq_len}, '
               f'float32, target {target.name} ({target.description}), compile only'
               f'{" + timed on the local backend" if args.time else ""} (jax {jax.__version__})')
     if args.sweep:
