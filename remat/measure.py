@@ -69,6 +69,12 @@ def step_memory(model_cfg, spec: str | Policy, batch_size: int, seq_len: int,
   return compiled_memory(compiled, target.name)
 
 
+def step_flops(model_cfg, spec: str | Policy, batch_size: int, seq_len: int) -> FlopCount:
+  """Matmul/conv FLOPs of the train step, recompute included (jaxpr walk, nothing compiled)."""
+  _, _, _, state, batch, step, _ = _gpt_step(model_cfg, spec, batch_size, seq_len)
+  return count_flops(step, state, batch)
+
+
 def grad_memory(model_cfg, spec: str | Policy, batch_size: int, seq_len: int,
                 target: Target) -> MemoryStats:
   """Compiled memory of the loss gradient alone (no optimizer update).

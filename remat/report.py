@@ -10,7 +10,6 @@ them is printed and written to the JSON.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 
