@@ -20,7 +20,7 @@ from remat.measure import Measurement, measure
 from remat.memory import format_bytes
 from remat.policies import PolicyError, get_policy, registered_specs
 from remat.residuals import by_source, by_tag
-from remat.targets import TARGETS, Target, TargetError, get_target
+from remat.targets import TARGETS, Target, TargetError, get_target, prefer_cpu_without_gpu
 from remat.sweep import SWEEP_POLICIES, depth_sweep, format_sweep, plot_sweep
 
 DEFAULT_POLICIES = ('none', 'full', 'dots', 'dots_no_batch', 'sqrt', 'full@sqrt', 'minimal',
@@ -146,6 +146,7 @@ def _parse_sweep(text: str) -> list[int]:
 
 
 def main(argv=None) -> int:
+  prefer_cpu_without_gpu()
   args = build_parser().parse_args(argv)
   try:
     named = _check(args)

@@ -11,6 +11,7 @@ so ``memory_analysis()`` is the GPU's memory plan, offload to pinned host includ
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import jax
@@ -38,6 +39,18 @@ class Target:
       return tree
     return jax.tree_util.tree_map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.sharding), tree)
+
+
+def prefer_cpu_without_gpu() -> None:
+  """Keeps JAX on the CPU backend on a machine with no NVIDIA driver, unless JAX_PLATFORMS is set.
+
+  Otherwise an installed jax-cuda12 plugin (the gpu-plan extra) tries to start
+  CUDA at the first computation and logs a traceback before falling back to CPU.
+  GPU targets are still compiled for explicitly (:func:`get_target`). Call it
+  before the first computation.
+  """
+  if 'JAX_PLATFORMS' not in os.environ and not os.path.exists('/proc/driver/nvidia'):
+    jax.config.update('jax_platforms', 'cpu')
 
 
 def gpu_plugin_available() -> bool:

@@ -1,6 +1,7 @@
 """Configs, the training run (loss falls, resume is exact, checkpoints cross policies), CLI errors."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -127,6 +128,18 @@ def test_existing_run_needs_resume(uninterrupted, capsys):
   cfg, _ = uninterrupted
   code, cap = _cli([f'--out={cfg.out}', f'--data={cfg.data}'], capsys)
   assert code == 2 and 'pass --resume' in cap.err
+
+
+def test_train_py_runs_clean_with_gpu_plugin_installed(text_file, tmp_path):
+  # No JAX_PLATFORMS: train.py itself must keep an installed jax-cuda12 plugin from
+  # printing a CUDA traceback on a machine without a GPU.
+  env = {k: v for k, v in os.environ.items() if k != 'JAX_PLATFORMS'}
+  run = subprocess.run([sys.executable, 'train.py', '--steps=1', '--batch-size=2', '--seq-len=16',
+                        f'--data={text_file}', f'--out={tmp_path / "run"}', '--no-memory-report'],
+                       cwd=ROOT, capture_output=True, text=True, env=env)
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert 'Traceback' not in run.stderr and 'Unable to load CUDA' not in run.stderr
+  assert 'done: step 1' in run.stdout
 
 
 def test_list_policies(capsys):

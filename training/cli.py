@@ -8,6 +8,7 @@ import sys
 
 from configs import config_names, load_config
 from remat.policies import PolicyError, list_policies
+from remat.targets import prefer_cpu_without_gpu
 from training.data import DataError
 from training.trainer import RunError, TrainConfig, read_meta, train
 
@@ -66,6 +67,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def main(argv=None) -> int:
+  prefer_cpu_without_gpu()
   args = build_parser().parse_args(argv)
   if args.remat == 'list':
     rows = list_policies()
