@@ -16,6 +16,7 @@ import sys
 import jax
 from tqdm import tqdm
 
+from remat.device_peak import measured_device_peak
 from remat.measure import Measurement, measure
 from remat.memory import format_bytes
 from remat.policies import PolicyError, get_policy, registered_specs
@@ -117,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--target', default='cpu', help=f"compile for: {', '.join(TARGETS)}")
   p.add_argument('--time', action='store_true',
                  help='also run each step (median of 5 after 2 warm-up; local backend only)')
+  p.add_argument('--device-peak', action='store_true',
+                 help="also run each step in a fresh process on the attached GPU and read the "
+                      "allocator's peak_bytes_in_use (needs a GPU)")
   p.add_argument('--json', metavar='FILE', help='write every figure and the environment as JSON')
   p.add_argument('--plot', metavar='FILE', help='write a PNG of memory against recompute')
   p.add_argument('--sweep', metavar='depth=N,N,...',
@@ -166,12 +170,23 @@ def main(argv=None) -> int:
         plot_sweep(sweep, args.plot, header.lstrip('# '))
       report = {'environment': env, 'sweep': sweep}
     else:
-      results = {}
+      if args.device_peak and jax.default_backend() != 'gpu':
+        raise ValueError(f'--device-peak needs an attached GPU; the {jax.default_backend()} '
+                         'backend keeps no peak memory statistics')
+      results, peaks = {}, {}
       for spec in tqdm(_specs(args.policies), desc='compiling', unit='policy', file=sys.stderr):
         results[spec] = measure(named.model, spec, args.batch_size, args.seq_len, target,
                                 run=args.time)
+        if args.device_peak:
+          peaks[spec] = measured_device_peak(named.name, spec, args.batch_size,
+                                             args.seq_len)['peak_bytes']
       table = rows(results)
+      for r in table:
+        r['measured_device_peak'] = peaks.get(r['policy'])
       print(format_table(table, header, args.time))
+      if peaks:
+        print('# measured device peak (allocator peak_bytes_in_use, fresh process each): ' + ', '.join(
+            f"{r['policy']} {format_bytes(r['measured_device_peak'] or 0)}" for r in table))
       print('# temp/peak/host: XLA memory plan; residual: bytes saved for backward (jaxpr); '
             'recompute: matmul FLOPs / none; * = Pareto front (temp vs recompute)')
       if target.name == 'cpu' and any(get_policy(r['policy']).offloads for r in table):

@@ -92,3 +92,14 @@ def test_gpu_target_error_without_plugin(monkeypatch):
   monkeypatch.setattr(targets, 'gpu_plugin_available', lambda: False)
   with pytest.raises(TargetError, match='needs the jax-cuda12 plugin'):
     targets.get_target('h200')
+
+
+def test_device_peak_runs_in_a_fresh_process():
+  from remat.device_peak import measured_device_peak
+  got = measured_device_peak('tiny', 'full', 2, 16)
+  assert got['backend'] == 'cpu' and got['peak_bytes'] is None  # CPU keeps no allocator stats
+
+
+def test_device_peak_needs_a_gpu(capsys):
+  assert report.main(['--device-peak']) == 2
+  assert 'needs an attached GPU' in capsys.readouterr().err
