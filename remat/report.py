@@ -149,6 +149,40 @@ def _parse_sweep(text: str) -> list[int]:
   return sorted(set(depths))
 
 
+def _sweep_report(args, named, target, header) -> dict:
+  sweep = depth_sweep(named.model, _parse_sweep(args.sweep), args.batch_size, args.seq_len, target)
+  print(format_sweep(sweep, header))
+  if args.plot:
+    plot_sweep(sweep, args.plot, header.lstrip('# '))
+  return {'sweep': sweep}
+
+
+def _policy_report(args, named, target, header) -> dict:
+  if args.device_peak and jax.default_backend() != 'gpu':
+    raise ValueError(f'--device-peak needs an attached GPU; the {jax.default_backend()} '
+                     'backend keeps no peak memory statistics')
+  results, peaks = {}, {}
+  for spec in tqdm(_specs(args.policies), desc='compiling', unit='policy', file=sys.stderr):
+    results[spec] = measure(named.model, spec, args.batch_size, args.seq_len, target, run=args.time)
+    if args.device_peak:
+      peaks[spec] = measured_device_peak(named.name, spec, args.batch_size, args.seq_len)['peak_bytes']
+  table = rows(results)
+  for r in table:
+    r['measured_device_peak'] = peaks.get(r['policy'])
+  print(format_table(table, header, args.time))
+  if peaks:
+    print('# measured device peak (allocator peak_bytes_in_use, fresh process each): ' + ', '.join(
+        f"{r['policy']} {format_bytes(r['measured_device_peak'] or 0)}" for r in table))
+  print('# temp/peak/host: XLA memory plan; residual: bytes saved for backward (jaxpr); '
+        'recompute: matmul FLOPs / none; * = Pareto front (temp vs recompute)')
+  if target.name == 'cpu' and any(get_policy(r['policy']).offloads for r in table):
+    print('# offload policies: host offload is a no-op on the CPU backend, so they show no '
+          'host bytes here; use --target h100|h200 for a GPU plan')
+  if args.plot:
+    plot_front(table, args.plot, header.lstrip('# '))
+  return {'policies': table}
+
+
 def main(argv=None) -> int:
   prefer_cpu_without_gpu()
   args = build_parser().parse_args(argv)
@@ -162,45 +196,13 @@ def main(argv=None) -> int:
     header = (f'# {what}, {args.model} {named.name}, batch {args.batch_size} x seq {args.seq_len}, '
               f'float32, target {target.name} ({target.description}), compile only'
               f'{" + timed on the local backend" if args.time else ""} (jax {jax.__version__})')
-    if args.sweep:
-      sweep = depth_sweep(named.model, _parse_sweep(args.sweep), args.batch_size, args.seq_len,
-                          target)
-      print(format_sweep(sweep, header))
-      if args.plot:
-        plot_sweep(sweep, args.plot, header.lstrip('# '))
-      report = {'environment': env, 'sweep': sweep}
-    else:
-      if args.device_peak and jax.default_backend() != 'gpu':
-        raise ValueError(f'--device-peak needs an attached GPU; the {jax.default_backend()} '
-                         'backend keeps no peak memory statistics')
-      results, peaks = {}, {}
-      for spec in tqdm(_specs(args.policies), desc='compiling', unit='policy', file=sys.stderr):
-        results[spec] = measure(named.model, spec, args.batch_size, args.seq_len, target,
-                                run=args.time)
-        if args.device_peak:
-          peaks[spec] = measured_device_peak(named.name, spec, args.batch_size,
-                                             args.seq_len)['peak_bytes']
-      table = rows(results)
-      for r in table:
-        r['measured_device_peak'] = peaks.get(r['policy'])
-      print(format_table(table, header, args.time))
-      if peaks:
-        print('# measured device peak (allocator peak_bytes_in_use, fresh process each): ' + ', '.join(
-            f"{r['policy']} {format_bytes(r['measured_device_peak'] or 0)}" for r in table))
-      print('# temp/peak/host: XLA memory plan; residual: bytes saved for backward (jaxpr); '
-            'recompute: matmul FLOPs / none; * = Pareto front (temp vs recompute)')
-      if target.name == 'cpu' and any(get_policy(r['policy']).offloads for r in table):
-        print('# offload policies: host offload is a no-op on the CPU backend, so they show no '
-              'host bytes here; use --target h100|h200 for a GPU plan')
-      if args.plot:
-        plot_front(table, args.plot, header.lstrip('# '))
-      report = {'environment': env, 'policies': table}
-  except (PolicyError, TargetError, ValueError) as e:
+    body = (_sweep_report if args.sweep else _policy_report)(args, named, target, header)
+  except (PolicyError, TargetError, ValueError, RuntimeError) as e:
     print(f'remat.report: error: {e}', file=sys.stderr)
     return 2
   if args.json:
     with open(args.json, 'w') as f:
-      json.dump(report, f, indent=1)
+      json.dump({'environment': env, **body}, f, indent=1)
   return 0
 
 
