@@ -13,8 +13,8 @@ Spec grammar (what ``--remat`` and :func:`get_policy` accept)::
 
     SPEC      := RULE | SEGMENTS | RULE "@" SEGMENTS
     RULE      := none | full | everything | dots | dots_no_batch
-               | names:TAG[,TAG...] | offload:TAG[,TAG...] | PRESET
-    SEGMENTS  := sqrt | seg:K
+               | convs | names:TAG[,TAG...] | offload:TAG[,TAG...] | PRESET
+    SEGMENTS  := sqrt | seg:K | stage
 
 ``sqrt`` alone is Chen et al.'s scheme (``none@sqrt``): segment inputs are
 saved and a segment keeps all its activations while it is recomputed.
@@ -31,6 +31,15 @@ from typing import Callable, Iterable, Sequence
 import jax
 
 cp = jax.checkpoint_policies
+
+
+def conv_saveable(prim, *_, **__) -> bool:
+  """A ``jax.checkpoint`` policy saving every convolution output and nothing else.
+
+  JAX has none: ``dots_saveable`` saves convolutions *and* every matmul, and
+  ``dots_with_no_batch_dims_saveable`` saves no convolution at all.
+  """
+  return prim is jax.lax.conv_general_dilated_p
 
 
 class PolicyError(ValueError):
@@ -51,6 +60,8 @@ _RULES: dict[str, tuple[str, Callable | None]] = {
                       'recompute attention scores and elementwise ops '
                       '(dots_with_no_batch_dims_saveable)',
                       lambda: cp.dots_with_no_batch_dims_saveable),
+    'convs': ('save every convolution output, recompute normalisation, activations and '
+              'matmuls (for convnets: conv_saveable)', lambda: conv_saveable),
 }
 
 _QKV = ('query_proj', 'key_proj', 'value_proj')
@@ -75,6 +86,10 @@ PRESETS: dict[str, tuple[str, tuple[str, ...], str]] = {
                            'MaxText: offload q/k/v projections to pinned host memory'),
     'minimal_offloaded': ('offload', _QKV + ('out_proj', 'mlpwi', 'mlpwo'),
                           'MaxText: offload every weight matmul output to pinned host memory'),
+    # Convnet presets over the ResNet tags (models/resnet.py).
+    'save_conv_narrow': ('names', ('conv1', 'conv2'),
+                         'ResNet: save the first two conv outputs of each block (the '
+                         'reduced-width ones in a bottleneck), recompute the last conv, BN, ReLU'),
 }
 
 _TAG_RULES = ('names', 'offload')
@@ -89,7 +104,8 @@ class Policy:
     rule: 'none', 'full', 'everything', 'dots', 'dots_no_batch', 'names' or
       'offload'.
     tags: checkpoint names saved ('names') or offloaded ('offload').
-    segment: None (per layer), 'sqrt', or a fixed segment size K.
+    segment: None (per layer), 'sqrt', 'stage' (the whole stack), or a fixed
+      segment size K.
     description: one line for humans.
   """
 
@@ -127,32 +143,33 @@ class Policy:
   def segment_size(self, num_layers: int) -> int | None:
     """Layers per checkpointed segment for a stack of ``num_layers``, or None.
 
-    Raises:
-      PolicyError: if a fixed segment size is not in [1, num_layers].
+    A fixed size K larger than the stack gives one segment of the whole
+    stack (:meth:`validate` rejects K larger than the model's deepest stack).
     """
     if self.segment is None:
       return None
     if self.segment == 'sqrt':
       return max(1, round(math.sqrt(num_layers)))
-    if not 1 <= self.segment <= num_layers:
-      raise PolicyError(
-          f"remat policy '{self.spec}': segment size {self.segment} is out of range; "
-          f'valid sizes for this {num_layers}-layer stack are 1..{num_layers}')
-    return self.segment
+    if self.segment == 'stage':
+      return num_layers
+    return min(self.segment, num_layers)
 
   def validate(self, num_layers: int | None = None,
                tags: Iterable[str] | None = None) -> 'Policy':
     """Checks the policy against a model; returns self.
 
     Args:
-      num_layers: depth of the layer stack (checks the segment size).
+      num_layers: depth of the (deepest) layer stack (checks the segment size).
       tags: the checkpoint names the model really emits (checks names:/offload:).
 
     Raises:
       PolicyError: with a one-line message naming what is valid.
     """
-    if num_layers is not None:
-      self.segment_size(num_layers)
+    if num_layers is not None and isinstance(self.segment, int) and not (
+        1 <= self.segment <= num_layers):
+      raise PolicyError(
+          f"remat policy '{self.spec}': segment size {self.segment} is out of range; "
+          f'valid sizes for this {num_layers}-layer stack are 1..{num_layers}')
     if tags is not None and self.rule in _TAG_RULES:
       known = set(tags)
       unknown = [t for t in self.tags if t not in known]
@@ -200,8 +217,8 @@ def _parse_rule(text: str, spec: str) -> tuple[str, tuple[str, ...], str]:
 
 
 def _parse_segment(text: str, spec: str) -> int | str:
-  if text == 'sqrt':
-    return 'sqrt'
+  if text in ('sqrt', 'stage'):
+    return text
   kind, sep, arg = text.partition(':')
   if kind == 'seg' and sep:
     try:
@@ -211,7 +228,7 @@ def _parse_segment(text: str, spec: str) -> int | str:
     if k is None or k < 1:
       raise PolicyError(f"remat policy '{spec}': segment size must be an integer >= 1, got '{arg}'")
     return k
-  raise PolicyError(f"remat policy '{spec}': unknown segmenting '{text}'; valid: sqrt, seg:K")
+  raise PolicyError(f"remat policy '{spec}': unknown segmenting '{text}'; valid: sqrt, seg:K, stage")
 
 
 def get_policy(spec: str | Policy, *, num_layers: int | None = None,
@@ -240,7 +257,7 @@ def get_policy(spec: str | Policy, *, num_layers: int | None = None,
   segment = None
   if at:
     segment = _parse_segment(seg_text.strip(), text)
-  elif rule_text == 'sqrt' or rule_text.startswith('seg:'):
+  elif rule_text in ('sqrt', 'stage') or rule_text.startswith('seg:'):
     rule_text, segment = 'none', _parse_segment(rule_text, text)
   rule, tag_tuple, desc = _parse_rule(rule_text.strip(), text)
   canon_rule = rule_text.strip() if rule_text.strip() in PRESETS else (
@@ -248,17 +265,20 @@ def get_policy(spec: str | Policy, *, num_layers: int | None = None,
   if segment is None:
     canon = canon_rule
   else:
-    seg = 'sqrt' if segment == 'sqrt' else f'seg:{segment}'
+    seg = segment if isinstance(segment, str) else f'seg:{segment}'
     canon = seg if canon_rule == 'none' else f'{canon_rule}@{seg}'
-    where = 'round(sqrt(N))' if segment == 'sqrt' else str(segment)
-    desc = (f'checkpointed segments of {where} layers (segment inputs saved)' if rule == 'none'
-            else f'{desc}; per layer, inside checkpointed segments of {where} layers')
+    where = {'sqrt': 'segments of round(sqrt(N)) layers',
+             'stage': 'one segment per layer stack (ResNet stage)'}.get(
+                 segment, f'segments of {segment} layers')
+    desc = (f'checkpointed {where} (segment inputs saved)' if rule == 'none'
+            else f'{desc}; per layer, inside checkpointed {where}')
   return Policy(canon, rule, tag_tuple, segment, desc).validate(num_layers, tags)
 
 
 def policy_names() -> list[str]:
   """Names accepted on their own (rules, presets, segmentings)."""
-  return list(_RULES) + list(PRESETS) + ['sqrt', 'seg:K', 'names:T1,..', 'offload:T1,..']
+  return list(_RULES) + list(PRESETS) + ['sqrt', 'seg:K', 'stage', 'names:T1,..',
+                                          'offload:T1,..']
 
 
 def list_policies() -> list[tuple[str, str]]:
@@ -271,11 +291,22 @@ def list_policies() -> list[tuple[str, str]]:
   rows += [('sqrt', 'Chen et al.: checkpointed segments of round(sqrt(N)) layers; '
             'segment inputs saved, one extra forward'),
            ('seg:K', 'checkpointed segments of K layers (a shorter last segment if K does not divide N)'),
+           ('stage', 'one checkpointed segment per layer stack: saves only stack (ResNet stage) '
+            'inputs, recomputes a whole stage at once'),
            ('RULE@sqrt, RULE@seg:K', 'per-layer RULE inside checkpointed segments, e.g. full@sqrt')]
   return rows
 
 
-def registered_specs(sample_tags: Sequence[str] = _QKV) -> list[str]:
-  """Concrete specs covering every rule and preset (used by the tests)."""
+def registered_specs(sample_tags: Sequence[str] = _QKV,
+                     model_tags: Iterable[str] | None = None) -> list[str]:
+  """Concrete specs covering every rule and preset (used by the tests and the report).
+
+  Args:
+    sample_tags: tags for the sample ``names:``/``offload:`` specs.
+    model_tags: if given, only presets whose tags are all among them (a
+      model's emitted tags) are included.
+  """
+  known = None if model_tags is None else set(model_tags)
+  presets = [n for n, (_, tags, _) in PRESETS.items() if known is None or set(tags) <= known]
   return (list(_RULES) + [f'names:{",".join(sample_tags)}', f'offload:{",".join(sample_tags)}']
-          + list(PRESETS))
+          + presets)

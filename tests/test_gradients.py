@@ -14,7 +14,7 @@ from training import steps as st
 SEGMENTED = ['sqrt', 'seg:2', 'seg:3', 'seg:5', 'seg:1', 'full@sqrt', 'dots@seg:3',
              'dots_no_batch@sqrt', 'names:context,mlpwi@seg:2', 'save_qkv_proj@seg:4',
              'offload:out_proj@sqrt']
-ALL = registered_specs() + SEGMENTED
+ALL = registered_specs(model_tags=TAGS) + SEGMENTED + ['stage', 'full@stage']
 RTOL, ATOL = 1e-5, 1e-7
 DROPOUT = jax.random.PRNGKey(42)
 
@@ -46,7 +46,7 @@ def test_dropout_is_on(small_config, small_params, windows, reference):
 
 def _one_step(config, spec, params, windows):
   tx = st.make_optimizer(1e-3, 10, 2, 0.1, 1.0)
-  state = st.TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+  state = st.TrainState(jnp.zeros((), jnp.int32), params, {}, tx.init(params))
   return jax.jit(st.make_train_step(GPT(config, spec), tx, seed=3))(state, windows)
 
 

@@ -4,8 +4,9 @@ import jax
 import pytest
 
 from models.gpt import TAGS
+from models.resnet import TAGS as RESNET_TAGS
 from remat import PRESETS, Policy, PolicyError, get_policy, list_policies
-from remat.policies import registered_specs
+from remat.policies import conv_saveable, registered_specs
 
 cp = jax.checkpoint_policies
 
@@ -15,6 +16,8 @@ cp = jax.checkpoint_policies
     ('sqrt', 'none', 'sqrt'), ('seg:3', 'none', 3), ('full@sqrt', 'full', 'sqrt'),
     ('dots_no_batch@seg:2', 'dots_no_batch', 2), ('minimal', 'names', None),
     ('qkv_proj_offloaded', 'offload', None), ('names:out_proj,mlpwo', 'names', None),
+    ('stage', 'none', 'stage'), ('full@stage', 'full', 'stage'), ('convs', 'convs', None),
+    ('save_conv_narrow@sqrt', 'names', 'sqrt'),
 ])
 def test_parse(spec, rule, segment):
   p = get_policy(spec)
@@ -43,6 +46,30 @@ def test_jax_policies():
   assert get_policy('dots_no_batch').jax_policy is cp.dots_with_no_batch_dims_saveable
   assert callable(get_policy('names:context').jax_policy)
   assert callable(get_policy('offload:context').jax_policy)
+  assert get_policy('convs').jax_policy is conv_saveable
+
+
+def test_conv_saveable_saves_only_convolutions():
+  import jax.numpy as jnp
+  def f(w, x):
+    y = jax.lax.conv_general_dilated(x, w, (1, 1), 'SAME')
+    return jnp.sin(y).reshape(-1) @ jnp.ones(y.size)
+  w, x = jnp.ones((2, 2, 3, 3)), jnp.ones((1, 2, 5, 5))  # OIHW kernel, NCHW input
+
+  def saved(policy):  # shapes of the arrays the backward pass keeps, inputs excluded
+    closed = jax.make_jaxpr(lambda w, x: jax.vjp(jax.checkpoint(f, policy=policy), w, x)[1])(w, x)
+    inputs = set(closed.jaxpr.invars)
+    return [v.aval.shape for v in closed.jaxpr.outvars if v not in inputs]
+
+  assert saved(conv_saveable) == [(1, 2, 5, 5)]  # the conv output, not sin's input or the matmul
+  assert saved(cp.nothing_saveable) == []
+
+
+def test_segment_sizes_are_capped_per_stack():
+  assert get_policy('stage').segment_size(7) == 7
+  assert get_policy('seg:4').segment_size(2) == 2  # a shorter ResNet stage: one segment
+  with pytest.raises(PolicyError, match='out of range'):
+    get_policy('seg:4', num_layers=3)  # but the model's deepest stack must fit K
 
 
 @pytest.mark.parametrize('n,k', [(1, 1), (2, 1), (3, 2), (5, 2), (7, 3), (12, 3), (13, 4), (48, 7)])
@@ -53,8 +80,10 @@ def test_sqrt_segment_size(n, k):
 def test_presets_use_model_tags():
   for name, (kind, tags, _) in PRESETS.items():
     assert kind in ('names', 'offload')
-    assert set(tags) <= set(TAGS), name
+    assert set(tags) <= set(TAGS) or set(tags) <= set(RESNET_TAGS), name
   assert PRESETS['save_dot_except_mlp'][1] == ('query_proj', 'key_proj', 'value_proj', 'out_proj')
+  assert 'save_conv_narrow' not in registered_specs(model_tags=TAGS)
+  assert 'minimal' not in registered_specs(model_tags=RESNET_TAGS)
 
 
 def test_listing_covers_registry():
@@ -62,7 +91,7 @@ def test_listing_covers_registry():
   for spec in registered_specs():
     if ':' not in spec:
       assert spec in listed
-  assert {'sqrt', 'seg:K'} <= listed
+  assert {'sqrt', 'seg:K', 'stage', 'convs'} <= listed
   assert all(desc and '\n' not in desc for _, desc in list_policies())
 
 
@@ -75,7 +104,7 @@ def test_listing_covers_registry():
     ('names', {}, "'names' needs tags"),
     ('seg:0', {}, 'segment size must be an integer >= 1'),
     ('seg:x', {}, 'segment size must be an integer >= 1'),
-    ('full@cubic', {}, "unknown segmenting 'cubic'; valid: sqrt, seg:K"),
+    ('full@cubic', {}, "unknown segmenting 'cubic'; valid: sqrt, seg:K, stage"),
     ('seg:6', {'num_layers': 5}, 'segment size 6 is out of range; valid sizes for this 5-layer stack are 1..5'),
     ('names:nope', {'tags': TAGS}, 'unknown tag(s) nope; this model emits: context, key_proj'),
     ('offload:query_proj,nope', {'tags': TAGS}, 'unknown tag(s) nope'),
