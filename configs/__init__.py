@@ -1,6 +1,7 @@
 """Named model configs, one JSON file each in this folder.
 
-A file holds ``{"arch": "gpt", "description": ..., "model": {...}, "train": {...}}``:
+A file holds ``{"arch": "gpt"|"vit"|"resnet", "description": ..., "model": {...},
+"train": {...}}``:
 ``model`` fills the architecture's frozen config dataclass, ``train`` gives
 default training settings that command-line flags override.
 """
@@ -13,9 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from models.gpt import GPTConfig
+from models.resnet import ResNetConfig
+from models.vit import ViTConfig
 
 CONFIG_DIR = Path(__file__).parent
-ARCHS = {'gpt': GPTConfig}
+ARCHS = {'gpt': GPTConfig, 'vit': ViTConfig, 'resnet': ResNetConfig}
+# The config a model family uses when none is named.
+DEFAULT_CONFIG = {'gpt': 'tiny', 'vit': 'vit-tiny', 'resnet': 'resnet-tiny'}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,9 +33,12 @@ class NamedConfig:
   train: dict[str, Any]
 
 
-def config_names() -> list[str]:
-  """Names of the shipped configs, sorted."""
-  return sorted(p.stem for p in CONFIG_DIR.glob('*.json'))
+def config_names(arch: str | None = None) -> list[str]:
+  """Names of the shipped configs (of one arch if given), sorted."""
+  names = sorted(p.stem for p in CONFIG_DIR.glob('*.json'))
+  if arch is None:
+    return names
+  return [n for n in names if json.loads((CONFIG_DIR / f'{n}.json').read_text()).get('arch') == arch]
 
 
 def load_config(name: str) -> NamedConfig:
@@ -52,5 +60,8 @@ def load_config(name: str) -> NamedConfig:
   if unknown:
     raise ValueError(f"config '{name}': unknown model field(s) {', '.join(unknown)}; "
                      f"valid: {', '.join(sorted(fields))}")
-  return NamedConfig(name, arch, raw.get('description', ''), cls(**raw.get('model', {})),
-                     dict(raw.get('train', {})))
+  try:
+    model = cls(**raw.get('model', {}))
+  except ValueError as e:
+    raise ValueError(f"config '{name}': {e}") from None
+  return NamedConfig(name, arch, raw.get('description', ''), model, dict(raw.get('train', {})))

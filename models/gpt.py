@@ -28,23 +28,15 @@ import dataclasses
 import math
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from models.layers import TRANSFORMER_TAGS, attention, dropout_keys
 from remat.policies import Policy, get_policy
 from remat.stack import LayerStack
 
 # Every checkpoint name the GPT block emits (tests check the traced model agrees).
-TAGS = {
-    'query_proj': 'query projection, [B, T, H, Dh]',
-    'key_proj': 'key projection, [B, T, H, Dh]',
-    'value_proj': 'value projection, [B, T, H, Dh]',
-    'context': 'attention output before the output projection, [B, T, H, Dh]',
-    'out_proj': 'attention output projection, [B, T, D]',
-    'mlpwi': 'MLP input projection before GELU, [B, T, 4D]',
-    'mlpwo': 'MLP output projection, [B, T, D]',
-}
+TAGS = TRANSFORMER_TAGS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,10 +79,6 @@ def _dense(features: int, name: str, std: float = 0.02) -> nn.Dense:
   return nn.Dense(features, kernel_init=nn.initializers.normal(std), name=name)
 
 
-def _dropout_keys(rng, n: int):
-  return (None,) * n if rng is None else tuple(jax.random.fold_in(rng, i) for i in range(n))
-
-
 class Attention(nn.Module):
   """Causal multi-head self-attention."""
   config: GPTConfig
@@ -104,13 +92,9 @@ class Attention(nn.Module):
     q = checkpoint_name(split(_dense(cfg.d_model, 'query')(x)), 'query_proj')
     k = checkpoint_name(split(_dense(cfg.d_model, 'key')(x)), 'key_proj')
     v = checkpoint_name(split(_dense(cfg.d_model, 'value')(x)), 'value_proj')
-    scores = jnp.einsum('bqhd,bkhd->bhqk', q, k) / math.sqrt(cfg.head_dim)
-    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-    scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-    probs = jax.nn.softmax(scores, axis=-1)
-    attn_key, resid_key = _dropout_keys(rng, 2)
-    probs = nn.Dropout(cfg.dropout)(probs, self.deterministic, rng=attn_key)
-    ctx = checkpoint_name(jnp.einsum('bhqk,bkhd->bqhd', probs, v), 'context')
+    attn_key, resid_key = dropout_keys(rng, 2)
+    ctx = attention(q, k, v, causal=True, dropout_rate=cfg.dropout,
+                    deterministic=self.deterministic, rng=attn_key)
     out = _dense(cfg.d_model, 'c_proj', 0.02 / math.sqrt(2 * cfg.num_layers))(
         ctx.reshape(b, t, cfg.d_model))
     out = checkpoint_name(out, 'out_proj')
@@ -140,7 +124,7 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x, rng):
     cfg = self.config
-    attn_key, mlp_key = _dropout_keys(rng, 2)
+    attn_key, mlp_key = dropout_keys(rng, 2)
     h = nn.LayerNorm(cfg.layer_norm_eps, name='ln_1')(x)
     x = x + Attention(cfg, self.deterministic, name='attn')(h, attn_key)
     h = nn.LayerNorm(cfg.layer_norm_eps, name='ln_2')(x)

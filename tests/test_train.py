@@ -23,7 +23,7 @@ HF_PARAMS = {'gpt2-small': 124_439_808, 'gpt2-medium': 354_823_168,
              'gpt2-large': 774_030_080, 'gpt2-xl': 1_557_611_200}
 
 
-@pytest.mark.parametrize('name', config_names())
+@pytest.mark.parametrize('name', config_names('gpt'))
 def test_every_config_loads(name):
   named = load_config(name)
   assert named.arch == 'gpt' and named.description
@@ -114,6 +114,13 @@ def _cli(argv, capsys):
     (['--seq-len=4096'], '--seq-len 4096 exceeds config tiny max_len 128'),
     (['--steps=0'], '--steps must be >= 1'),
     (['--data=/no/such/place'], "--data '/no/such/place' does not exist"),
+    (['--model=bert'], "unknown --model 'bert'; valid: gpt, vit, resnet"),
+    (['--model=vit', '--config=tiny'], '--model vit does not match config tiny (a gpt model)'),
+    (['--model=vit', '--image-size=64'], 'its positions are learned for 32x32'),
+    (['--model=resnet', '--image-size=16'], '--image-size must be >= 32 for a ResNet'),
+    (['--image-size=64'], '--image-size applies to vit and resnet configs'),
+    (['--model=resnet', '--remat=minimal'], 'unknown tag(s) query_proj'),
+    (['--model=resnet', '--remat=seg:3'], 'valid sizes for this 2-layer stack are 1..2'),
 ])
 def test_cli_errors_are_one_line_exit_2(argv, needle, capsys, tmp_path):
   out = tmp_path / 'never'

@@ -6,16 +6,18 @@ import argparse
 import dataclasses
 import sys
 
-from configs import config_names, load_config
+from configs import DEFAULT_CONFIG, config_names, load_config
 from remat.policies import PolicyError, list_policies
 from remat.targets import prefer_cpu_without_gpu
 from training.data import DataError
-from training.trainer import RunError, TrainConfig, read_meta, train
+from training.trainer import (RunError, TrainConfig, default_config, matching_config, read_meta,
+                              train)
 
 _FLAGS = {  # flag -> (type, help); defaults come from the named config, then TrainConfig
     'steps': (int, 'optimizer steps'),
-    'batch_size': (int, 'sequences per step'),
-    'seq_len': (int, 'tokens (bytes) per sequence, at most the config max_len'),
+    'batch_size': (int, 'sequences or images per step'),
+    'seq_len': (int, 'gpt: tokens (bytes) per sequence, at most the config max_len'),
+    'image_size': (int, 'vit/resnet: image side in pixels (a ViT takes only its config size)'),
     'lr': (float, 'peak AdamW learning rate (linear warmup, cosine decay to 10%%)'),
     'warmup_steps': (int, 'linear warmup steps'),
     'weight_decay': (float, 'AdamW weight decay'),
@@ -29,13 +31,19 @@ _FLAGS = {  # flag -> (type, help); defaults come from the named config, then Tr
 
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
-      prog='train.py', description='Train a GPT-2-style byte-level model with a named remat policy.',
+      prog='train.py',
+      description='Train a GPT-2-style byte-level model, or a ViT / ResNet on procedural images, '
+                  'with a named remat policy.',
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument('--remat', default=None, metavar='SPEC',
                  help="remat policy spec, e.g. none, full, dots, names:query_proj,out_proj, sqrt, "
                       "seg:4, full@sqrt; 'list' prints them all (default: sqrt, or the resumed run's)")
+  p.add_argument('--model', default=None, metavar='MODEL',
+                 help=f"model family: {', '.join(DEFAULT_CONFIG)}; picks its default config "
+                      f"({', '.join(f'{k}: {v}' for k, v in DEFAULT_CONFIG.items())})")
   p.add_argument('--config', default=None,
-                 help=f"named config: {', '.join(config_names())} (default: tiny, or the resumed run's)")
+                 help=f"named config: {', '.join(config_names())} (default: the model's default, "
+                      "or the resumed run's)")
   for name, (typ, help_) in _FLAGS.items():
     p.add_argument('--' + name.replace('_', '-'), type=typ, default=None,
                    help=help_ + ' (default: from the config)')
@@ -44,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--out', default=None, metavar='DIR',
                  help='output folder for metrics.jsonl and checkpoints (default: runs/CONFIG-SPEC)')
   p.add_argument('--resume', action='store_true', help='continue from the latest checkpoint in --out')
+  p.add_argument('--init-from', default=None, metavar='HF_FOLDER',
+                 help='start from the weights of a Hugging Face save_pretrained folder (GPT-2, ViT, '
+                      'ResNet; safetensors); without --config, the shipped config of its shape')
   p.add_argument('--no-memory-report', dest='memory_report', action='store_false',
                  help='skip compiling the no-remat step for the start-up memory line')
   return p
@@ -56,11 +67,15 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
   flags = {k: v for k, v in vars(args).items() if v is not None and k in valid}
   recorded = {}
   if args.resume:
-    out = TrainConfig(**{k: v for k, v in flags.items() if k in ('config', 'remat', 'out')}).out_dir
-    meta = read_meta(out) or {}
+    known = {k: v for k, v in flags.items() if k in ('config', 'remat', 'out')}
+    known.setdefault('config', default_config(args.model))
+    meta = read_meta(TrainConfig(**known).out_dir) or {}
     recorded = {k: v for k, v in meta.get('train', {}).items() if k in valid and k != 'out'}
-  name = flags.get('config', recorded.get('config', TrainConfig.config))
+  if 'config' not in flags and args.init_from and not args.resume:
+    flags['config'] = matching_config(args.init_from)
+  name = flags.get('config', recorded.get('config', default_config(args.model)))
   values = {k: v for k, v in load_config(name).train.items() if k in valid}
+  values['config'] = name
   values.update(recorded)
   values.update(flags)
   return TrainConfig(**values)

@@ -1,4 +1,4 @@
-"""Loss, optimizer and the jitted train / eval steps (pure functions of their inputs)."""
+"""Optimizer, train state and the jitted train / eval steps (pure functions of their inputs)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,18 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from training.tasks import Task
+
 
 class TrainState(struct.PyTreeNode):
-  """What a checkpoint holds: step counter, parameters, optimizer state."""
+  """What a checkpoint holds: step counter, parameters, model state, optimizer state.
+
+  ``model_state`` holds non-trained variables such as BatchNorm ``batch_stats``
+  (``{}`` for models without them).
+  """
   step: jax.Array
   params: Any
+  model_state: Any
   opt_state: Any
 
 
@@ -27,37 +34,45 @@ def make_optimizer(lr: float, steps: int, warmup_steps: int, weight_decay: float
                      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay))
 
 
+def _task(model: nn.Module) -> Task:
+  return Task(model.config)
+
+
 def init_state(model: nn.Module, tx: optax.GradientTransformation, seed: int,
-               seq_len: int) -> TrainState:
-  """Initial parameters (the same for every remat policy) and optimizer state."""
-  params = model.init(jax.random.PRNGKey(seed), jnp.zeros((1, seq_len), jnp.int32))['params']
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+               size: int) -> TrainState:
+  """Initial variables (the same for every remat policy) and optimizer state.
+
+  ``size`` is the sequence length (GPT) or image side (vision).
+  """
+  params, model_state = _task(model).init_variables(model, seed, size)
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
+                    opt_state=tx.init(params))
 
 
 def lm_loss(model: nn.Module, params, windows, dropout_rng=None) -> jax.Array:
-  """Mean next-byte cross-entropy (nats/byte) over windows of ``seq_len + 1`` tokens."""
-  logits = model.apply({'params': params}, windows[:, :-1], deterministic=dropout_rng is None,
-                       rngs=None if dropout_rng is None else {'dropout': dropout_rng})
-  return optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), windows[:, 1:]).mean()
+  """Mean next-byte cross-entropy (nats/byte) of a GPT over windows of ``seq_len + 1`` tokens."""
+  return _task(model).loss(model, params, {}, windows, dropout_rng)[0]
 
 
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, seed: int):
-  """Returns ``step(state, windows) -> (state, loss)``; dropout key = fold_in(seed, step)."""
-  def train_step(state: TrainState, windows):
+  """Returns ``step(state, batch) -> (state, loss)``; dropout key = fold_in(seed, step)."""
+  task = _task(model)
+
+  def train_step(state: TrainState, batch):
     rng = jax.random.fold_in(jax.random.PRNGKey(seed), state.step)
-    loss, grads = jax.value_and_grad(lambda p: lm_loss(model, p, windows, rng))(state.params)
+    loss_fn = lambda p: task.loss(model, p, state.model_state, batch, rng)
+    (loss, (model_state, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     return TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                      opt_state=opt_state), loss
+                      model_state=model_state, opt_state=opt_state), loss
   return train_step
 
 
 def abstract_inputs(model: nn.Module, tx: optax.GradientTransformation, batch_size: int,
-                    seq_len: int, seed: int = 0):
-  """Shapes of the train state and of a batch of windows; nothing is allocated."""
-  state = jax.eval_shape(lambda: init_state(model, tx, seed, seq_len))
-  return state, jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32)
+                    size: int, seed: int = 0):
+  """Shapes of the train state and of a batch; nothing is allocated."""
+  state = jax.eval_shape(lambda: init_state(model, tx, seed, size))
+  return state, _task(model).batch_shape(batch_size, size)
 
 
 def compile_train_step(model: nn.Module, tx: optax.GradientTransformation, seed: int,
@@ -67,5 +82,10 @@ def compile_train_step(model: nn.Module, tx: optax.GradientTransformation, seed:
 
 
 def make_eval_step(model: nn.Module):
-  """Returns ``eval(params, windows) -> loss`` without dropout."""
-  return jax.jit(lambda params, windows: lm_loss(model, params, windows))
+  """Returns ``eval(params, model_state, batch) -> (loss, metrics)`` in inference mode."""
+  task = _task(model)
+
+  def eval_step(params, model_state, batch):
+    loss, (_, metrics) = task.loss(model, params, model_state, batch)
+    return loss, metrics
+  return jax.jit(eval_step)

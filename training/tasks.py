@@ -1,0 +1,127 @@
+"""What differs between model families: how a model is built, fed and scored.
+
+A :class:`Task` pairs a model config with its batch format and loss:
+
+* ``gpt``: batches of byte windows ``int32 [B, T + 1]``; next-byte cross-entropy.
+* ``vit`` / ``resnet``: batches ``{'images': float32 [B, S, S, C], 'labels': int32 [B]}``;
+  classification cross-entropy, with accuracy as a metric.
+
+``size`` is the sequence length T for ``gpt`` and the image side S for vision.
+Models whose layers keep state (ResNet's BatchNorm ``batch_stats``) return the
+updated state from the loss; the train step carries it in ``TrainState``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from models.gpt import GPT, GPTConfig
+from models.resnet import ResNet, ResNetConfig
+from models.vit import ViT, ViTConfig
+
+ARCH_OF = {GPTConfig: 'gpt', ViTConfig: 'vit', ResNetConfig: 'resnet'}
+_MODELS = {'gpt': GPT, 'vit': ViT, 'resnet': ResNet}
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """A model family with one config.
+
+  Attributes:
+    config: a GPTConfig, ViTConfig or ResNetConfig.
+  """
+  config: Any
+
+  @property
+  def arch(self) -> str:
+    return ARCH_OF[type(self.config)]
+
+  @property
+  def is_vision(self) -> bool:
+    return self.arch != 'gpt'
+
+  @property
+  def num_layers(self) -> int:
+    """Depth of the deepest layer stack (what ``seg:K`` is checked against)."""
+    return self.config.num_layers
+
+  @property
+  def default_size(self) -> int:
+    return self.config.max_len if self.arch == 'gpt' else self.config.image_size
+
+  def model(self, policy) -> nn.Module:
+    return _MODELS[self.arch](self.config, policy)
+
+  def at_size(self, size: int) -> 'Task':
+    """This task for sequence length / image side ``size``.
+
+    A ViT learns positions for one image side, so a ViT at another side is a
+    model with more (or fewer) positions; GPT and ResNet configs are unchanged.
+
+    Raises:
+      ValueError: one line, when the size does not fit the model.
+    """
+    cfg = self.config
+    if self.arch == 'gpt':
+      if size > cfg.max_len:
+        raise ValueError(f'sequence length {size} exceeds the model max_len {cfg.max_len}')
+      return self
+    if self.arch == 'vit':
+      if size % cfg.patch_size:
+        raise ValueError(f'image size {size} is not a multiple of the patch size {cfg.patch_size}')
+      return Task(dataclasses.replace(cfg, image_size=size))
+    if size < 32:
+      raise ValueError(f'image size {size} is too small for a ResNet; it needs >= 32')
+    return self
+
+  def batch_shape(self, batch_size: int, size: int):
+    """Abstract batch (ShapeDtypeStructs) of ``batch_size`` examples at ``size``."""
+    if self.arch == 'gpt':
+      return jax.ShapeDtypeStruct((batch_size, size + 1), jnp.int32)
+    return {'images': jax.ShapeDtypeStruct((batch_size, size, size, self.config.channels),
+                                           jnp.float32),
+            'labels': jax.ShapeDtypeStruct((batch_size,), jnp.int32)}
+
+  def zeros_batch(self, batch_size: int, size: int):
+    """A concrete all-zero batch (for timing and device peaks)."""
+    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                  self.batch_shape(batch_size, size))
+
+  def init_input(self, size: int):
+    """The model input used for ``init``: one example at ``size``."""
+    if self.arch == 'gpt':
+      return jnp.zeros((1, size), jnp.int32)
+    return jnp.zeros((1, size, size, self.config.channels), jnp.float32)
+
+  def init_variables(self, model: nn.Module, seed: int, size: int):
+    """(params, model_state) from ``model.init``; model_state is ``{}`` without BatchNorm."""
+    variables = dict(model.init(jax.random.PRNGKey(seed), self.init_input(size)))
+    params = variables.pop('params')
+    return params, variables
+
+  def loss(self, model: nn.Module, params, model_state, batch, dropout_rng=None):
+    """Mean cross-entropy of ``batch``, in training mode when ``dropout_rng`` is given.
+
+    Returns:
+      ``(loss, (model_state, metrics))``: the updated model state (BatchNorm
+      running averages in training mode, else unchanged) and a dict of metrics.
+    """
+    train = dropout_rng is not None
+    rngs = {'dropout': dropout_rng} if train else None
+    variables = {'params': params, **model_state}
+    mutable = list(model_state) if train and model_state else False
+    inputs = batch[:, :-1] if self.arch == 'gpt' else batch['images']
+    out = model.apply(variables, inputs, deterministic=not train, rngs=rngs, mutable=mutable)
+    logits, new_state = out if mutable else (out, model_state)
+    labels = batch[:, 1:] if self.arch == 'gpt' else batch['labels']
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
+    metrics = {}
+    if self.is_vision:
+      metrics['accuracy'] = jnp.mean(jnp.argmax(logits, -1) == labels)
+    return loss, (dict(new_state), metrics)
