@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 
-def measured_device_peak(config: str, spec: str, batch_size: int, seq_len: int,
+def measured_device_peak(config: str, spec: str, batch_size: int, size: int,
                          timeout: float = 900) -> dict:
   """Runs the measurement in a fresh process; returns ``{'peak_bytes', 'backend'}``.
 
@@ -23,7 +23,7 @@ def measured_device_peak(config: str, spec: str, batch_size: int, seq_len: int,
     RuntimeError: if the process fails (its last stderr line is in the message).
   """
   cmd = [sys.executable, '-m', 'remat.device_peak', '--config', config, '--policy', spec,
-         '--batch-size', str(batch_size), '--seq-len', str(seq_len)]
+         '--batch-size', str(batch_size), '--size', str(size)]
   run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
   lines = [l for l in run.stdout.splitlines() if l.startswith('{')]
   if run.returncode or not lines:
@@ -37,28 +37,27 @@ def main(argv=None) -> int:
   p.add_argument('--config', required=True)
   p.add_argument('--policy', required=True)
   p.add_argument('--batch-size', type=int, required=True)
-  p.add_argument('--seq-len', type=int, required=True)
+  p.add_argument('--size', type=int, required=True, help='sequence length or image side')
   args = p.parse_args(argv)
 
   import jax
-  import jax.numpy as jnp
 
   from configs import load_config
-  from models.gpt import GPT
   from remat.policies import get_policy
   from remat.targets import prefer_cpu_without_gpu
   from training import steps as st
+  from training.tasks import Task
 
   prefer_cpu_without_gpu()
 
-  cfg = load_config(args.config).model
-  model = GPT(cfg, get_policy(args.policy, num_layers=cfg.num_layers))
+  task = Task(load_config(args.config).model).at_size(args.size)
+  model = task.model(get_policy(args.policy, num_layers=task.num_layers))
   tx = st.make_optimizer(1e-3, 1000, 10, 0.1, 1.0)
-  state = st.init_state(model, tx, 0, args.seq_len)
+  state = st.init_state(model, tx, 0, args.size)
   step = jax.jit(st.make_train_step(model, tx, 0), donate_argnums=0)
-  windows = jnp.zeros((args.batch_size, args.seq_len + 1), jnp.int32)
+  batch = task.zeros_batch(args.batch_size, args.size)
   for _ in range(2):
-    state, loss = step(state, windows)
+    state, loss = step(state, batch)
   jax.block_until_ready(loss)
   stats = jax.devices()[0].memory_stats()
   print(json.dumps({'peak_bytes': None if not stats else stats.get('peak_bytes_in_use'),

@@ -35,16 +35,19 @@ class Measurement:
     return sum(r.nbytes for r in self.residuals)
 
 
-def _gpt_step(model_cfg, spec: str | Policy, batch_size: int, seq_len: int):
-  from models.gpt import GPT
+def _step(model_cfg, spec: str | Policy, batch_size: int, size: int):
+  """Policy, model, optimizer, abstract state and batch, step and loss of one model config."""
   from training import steps as st
-  if seq_len > model_cfg.max_len:
-    raise ValueError(f'--seq-len {seq_len} exceeds the model max_len {model_cfg.max_len}')
-  policy = get_policy(spec, num_layers=model_cfg.num_layers)
-  model = GPT(model_cfg, policy)
+  from training.tasks import Task
+  task = Task(model_cfg).at_size(size)
+  policy = get_policy(spec, num_layers=task.num_layers)
+  model = task.model(policy)
   tx = st.make_optimizer(1e-3, 1000, 10, 0.1, 1.0)
-  state, batch = st.abstract_inputs(model, tx, batch_size, seq_len)
-  loss = lambda params, windows: st.lm_loss(model, params, windows, jax.random.PRNGKey(0))
+  state, batch = st.abstract_inputs(model, tx, batch_size, size)
+  # The loss of a training step (dropout on, BatchNorm on batch statistics),
+  # as fn(params, (model_state, batch)) for the residual and gradient walks.
+  def loss(params, inputs):
+    return task.loss(model, params, inputs[0], inputs[1], jax.random.PRNGKey(0))[0]
   return policy, model, tx, state, batch, st.make_train_step(model, tx, 0), loss
 
 
@@ -60,22 +63,22 @@ def time_step(compiled, state, batch, steps: int = 5, warmup: int = 2) -> float:
   return statistics.median(times)
 
 
-def step_memory(model_cfg, spec: str | Policy, batch_size: int, seq_len: int,
+def step_memory(model_cfg, spec: str | Policy, batch_size: int, size: int,
                 target: Target) -> MemoryStats:
   """Compiled memory of the train step alone (no FLOP or residual walk)."""
   from training import steps as st
-  _, model, tx, state, batch, _, _ = _gpt_step(model_cfg, spec, batch_size, seq_len)
+  _, model, tx, state, batch, _, _ = _step(model_cfg, spec, batch_size, size)
   compiled = st.compile_train_step(model, tx, 0, target.place(state), target.place(batch))
   return compiled_memory(compiled, target.name)
 
 
-def step_flops(model_cfg, spec: str | Policy, batch_size: int, seq_len: int) -> FlopCount:
+def step_flops(model_cfg, spec: str | Policy, batch_size: int, size: int) -> FlopCount:
   """Matmul/conv FLOPs of the train step, recompute included (jaxpr walk, nothing compiled)."""
-  _, _, _, state, batch, step, _ = _gpt_step(model_cfg, spec, batch_size, seq_len)
+  _, _, _, state, batch, step, _ = _step(model_cfg, spec, batch_size, size)
   return count_flops(step, state, batch)
 
 
-def grad_memory(model_cfg, spec: str | Policy, batch_size: int, seq_len: int,
+def grad_memory(model_cfg, spec: str | Policy, batch_size: int, size: int,
                 target: Target) -> MemoryStats:
   """Compiled memory of the loss gradient alone (no optimizer update).
 
@@ -83,35 +86,38 @@ def grad_memory(model_cfg, spec: str | Policy, batch_size: int, seq_len: int,
   activation memory: saved residuals, recompute working sets and transient
   buffers, without the O(N) gradient and optimizer buffers of the train step.
   """
-  policy, _, _, state, batch, _, loss = _gpt_step(model_cfg, spec, batch_size, seq_len)
+  policy, _, _, state, batch, _, loss = _step(model_cfg, spec, batch_size, size)
   grad = jax.jit(jax.grad(loss))
-  compiled = grad.lower(target.place(state.params), target.place(batch)).compile()
+  compiled = grad.lower(target.place(state.params),
+                        target.place((state.model_state, batch))).compile()
   return compiled_memory(compiled, target.name)
 
 
-def measure(model_cfg, spec: str | Policy, batch_size: int, seq_len: int, target: Target,
+def measure(model_cfg, spec: str | Policy, batch_size: int, size: int, target: Target,
             run: bool = False, time_steps: int = 5) -> Measurement:
-  """Measures the GPT train step (forward, backward, AdamW; state donated) under ``spec``.
+  """Measures a train step (forward, backward, AdamW; state donated) under ``spec``.
 
   Args:
-    model_cfg: a :class:`models.gpt.GPTConfig`.
+    model_cfg: a GPTConfig, ViTConfig or ResNetConfig.
     spec: the policy.
-    batch_size, seq_len: the batch shape.
+    batch_size, size: the batch shape; size is the sequence length (GPT) or
+      the image side (vision).
     target: where to compile for (:func:`remat.targets.get_target`).
     run: also time the step (allocates the model; local backend only).
     time_steps: timed steps after 2 warm-up steps.
   """
   from training import steps as st
-  policy, model, tx, state, batch, step, loss = _gpt_step(model_cfg, spec, batch_size, seq_len)
+  policy, model, tx, state, batch, step, loss = _step(model_cfg, spec, batch_size, size)
   compiled = st.compile_train_step(model, tx, 0, target.place(state), target.place(batch))
   seconds = None
   if run:
     if target.sharding is not None:
       raise ValueError(f'--time runs the step, which needs an attached {target.name}; '
                        'time on the local backend (--target cpu) instead')
-    real_state = st.init_state(model, tx, 0, seq_len)
-    windows = jnp.zeros(batch.shape, batch.dtype)
-    seconds = time_step(compiled, real_state, windows, time_steps)
+    real_state = st.init_state(model, tx, 0, size)
+    zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), batch)
+    seconds = time_step(compiled, real_state, zeros, time_steps)
   return Measurement(policy.spec, compiled_memory(compiled, target.name),
                      count_flops(step, state, batch),
-                     tuple(saved_residuals(loss, state.params, batch)), seconds)
+                     tuple(saved_residuals(loss, state.params, (state.model_state, batch))),
+                     seconds)

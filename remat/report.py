@@ -22,11 +22,17 @@ from remat.memory import format_bytes
 from remat.policies import PolicyError, get_policy, registered_specs
 from remat.residuals import by_source, by_tag
 from remat.targets import TARGETS, Target, TargetError, get_target, prefer_cpu_without_gpu
-from remat.sweep import SWEEP_POLICIES, depth_sweep, format_sweep, plot_sweep
+from remat.sweep import SWEEP_POLICIES, depth_sweep, format_sweep, plot_sweep, resolution_sweep
 
-DEFAULT_POLICIES = ('none', 'full', 'dots', 'dots_no_batch', 'sqrt', 'full@sqrt', 'minimal',
-                    'save_qkv_proj', 'save_dot_except_mlp', 'qkv_proj_offloaded')
-MODELS = ('gpt',)
+_TRANSFORMER_POLICIES = ('none', 'full', 'dots', 'dots_no_batch', 'sqrt', 'full@sqrt', 'minimal',
+                         'save_qkv_proj', 'save_dot_except_mlp', 'qkv_proj_offloaded')
+DEFAULT_POLICIES = {
+    'gpt': _TRANSFORMER_POLICIES,
+    'vit': _TRANSFORMER_POLICIES,
+    'resnet': ('none', 'full', 'dots', 'dots_no_batch', 'convs', 'save_conv_narrow', 'sqrt',
+               'full@sqrt', 'stage', 'full@stage', 'offload:conv1,conv2'),
+}
+MODELS = tuple(DEFAULT_POLICIES)
 
 
 def pareto_front(points: dict[str, tuple[float, float]]) -> set[str]:
@@ -38,9 +44,11 @@ def pareto_front(points: dict[str, tuple[float, float]]) -> set[str]:
   return front
 
 
-def _specs(text: str) -> list[str]:
-  if text == 'all':
-    specs = registered_specs() + ['sqrt', 'full@sqrt']
+def _specs(text: str | None, arch: str, tags: list[str]) -> list[str]:
+  if text is None:
+    specs = list(DEFAULT_POLICIES[arch])
+  elif text == 'all':
+    specs = registered_specs(tags[:3], model_tags=tags) + ['sqrt', 'full@sqrt', 'stage']
   else:  # ';' separates specs when some of them hold ',' (names:a,b)
     specs = [s.strip() for s in (text.split(';') if ';' in text else text.split(',')) if s.strip()]
   return ['none'] + [s for s in specs if s != 'none']
@@ -109,12 +117,17 @@ def plot_front(table: list[dict], path: str, title: str):
 
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog='python -m remat.report', description=__doc__.splitlines()[0])
-  p.add_argument('--model', default='gpt', help=f"model family: {', '.join(MODELS)}")
-  p.add_argument('--config', default='tiny', help='named config (configs/*.json)')
+  p.add_argument('--model', default=None,
+                 help=f"model family: {', '.join(MODELS)} (default: the config's, else gpt)")
+  p.add_argument('--config', default=None,
+                 help='named config (configs/*.json; default: tiny, vit-tiny or resnet-tiny)')
   p.add_argument('--batch-size', type=int, default=8)
-  p.add_argument('--seq-len', type=int, default=128)
-  p.add_argument('--policies', default=','.join(DEFAULT_POLICIES),
-                 help="'all', or specs separated by ',' (by ';' when a spec holds ',')")
+  p.add_argument('--seq-len', type=int, default=128, help='gpt: tokens per sequence')
+  p.add_argument('--image-size', type=int, default=None,
+                 help="vit/resnet: image side in pixels (default: the config's)")
+  p.add_argument('--policies', default=None,
+                 help="'all', or specs separated by ',' (by ';' when a spec holds ','); "
+                      'default: a set chosen per model family')
   p.add_argument('--target', default='cpu', help=f"compile for: {', '.join(TARGETS)}")
   p.add_argument('--time', action='store_true',
                  help='also run each step (median of 5 after 2 warm-up; local backend only)')
@@ -123,49 +136,91 @@ def build_parser() -> argparse.ArgumentParser:
                       "allocator's peak_bytes_in_use (needs a GPU)")
   p.add_argument('--json', metavar='FILE', help='write every figure and the environment as JSON')
   p.add_argument('--plot', metavar='FILE', help='write a PNG of memory against recompute')
-  p.add_argument('--sweep', metavar='depth=N,N,...',
-                 help=f"depth sweep of {', '.join(SWEEP_POLICIES)} instead of the policy table")
+  p.add_argument('--sweep', metavar='depth=N,N,...|resolution=S,S,...',
+                 help=f"depth (or, for vit/resnet, image-side) sweep of {', '.join(SWEEP_POLICIES)} "
+                      'instead of the policy table')
   return p
 
 
 def _check(args):
-  if args.model not in MODELS:
+  """Resolves (named config, arch, size) from --model/--config and the shape flags."""
+  from configs import DEFAULT_CONFIG, load_config
+  if args.model is not None and args.model not in MODELS:
     raise ValueError(f"unknown model '{args.model}'; valid: {', '.join(MODELS)}")
-  for name in ('batch_size', 'seq_len'):
-    if getattr(args, name) < 1:
-      raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-  from configs import load_config
-  return load_config(args.config)
+  named = load_config(args.config or DEFAULT_CONFIG[args.model or 'gpt'])
+  if args.model is not None and named.arch != args.model:
+    raise ValueError(f'--model {args.model} does not match config {named.name} (a {named.arch} model)')
+  vision = named.arch != 'gpt'
+  if vision:
+    size = args.image_size or named.model.image_size
+  else:
+    if args.image_size is not None:
+      raise ValueError(f'--image-size applies to vit and resnet; {named.name} is a gpt config')
+    size = args.seq_len
+  for name, value in (('batch-size', args.batch_size),
+                      ('image-size' if vision else 'seq-len', size)):
+    if value < 1:
+      raise ValueError(f'--{name} must be >= 1, got {value}')
+  from training.tasks import Task
+  Task(named.model).at_size(size)  # one-line error if the size does not fit
+  return named, named.arch, size
 
 
-def _parse_sweep(text: str) -> list[int]:
+def _parse_sweep(text: str, arch: str) -> tuple[str, list[int]]:
   kind, _, values = text.partition('=')
   try:
-    depths = [int(v) for v in values.split(',') if v.strip()]
+    values = sorted({int(v) for v in values.split(',') if v.strip()})
   except ValueError:
-    depths = []
-  if kind != 'depth' or len(depths) < 2 or min(depths) < 1:
-    raise ValueError(f"--sweep '{text}': expected depth=N,N,... with at least two depths >= 1")
-  return sorted(set(depths))
+    values = []
+  kinds = ('depth', 'resolution') if arch != 'gpt' else ('depth',)
+  if kind not in kinds or len(values) < 2 or min(values) < 1:
+    forms = ' or '.join(f'{k}={"S" if k == "resolution" else "N"},...' for k in kinds)
+    raise ValueError(f"--sweep '{text}': expected {forms} with at least two values >= 1")
+  if kind == 'depth' and arch == 'resnet':
+    from models.resnet import DEPTHS
+    bad = [v for v in values if v not in DEPTHS]
+    if bad:
+      raise ValueError(f"--sweep '{text}': ResNet depths must be standard ones: "
+                       f"{', '.join(map(str, DEPTHS))}")
+  return kind, values
 
 
-def _sweep_report(args, named, target, header) -> dict:
-  sweep = depth_sweep(named.model, _parse_sweep(args.sweep), args.batch_size, args.seq_len, target)
+def _sweep_report(args, named, size, target, header) -> dict:
+  kind, values = _parse_sweep(args.sweep, named.arch)
+  if kind == 'depth':
+    sweep = depth_sweep(named.model, values, args.batch_size, size, target)
+  else:
+    sweep = resolution_sweep(named.model, values, args.batch_size, target)
   print(format_sweep(sweep, header))
   if args.plot:
     plot_sweep(sweep, args.plot, header.lstrip('# '))
   return {'sweep': sweep}
 
 
-def _policy_report(args, named, target, header) -> dict:
+def _model_tags(named, size) -> list[str]:
+  from remat.tags import emitted_tags
+  from training.tasks import Task
+  task = Task(named.model).at_size(size)
+  model = task.model('none')
+  example = task.init_input(size)
+  variables = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), example))
+  return sorted(emitted_tags(lambda v, x: model.apply(v, x), variables,
+                             jax.ShapeDtypeStruct(example.shape, example.dtype)))
+
+
+def _policy_report(args, named, size, target, header) -> dict:
   if args.device_peak and jax.default_backend() != 'gpu':
     raise ValueError(f'--device-peak needs an attached GPU; the {jax.default_backend()} '
                      'backend keeps no peak memory statistics')
   results, peaks = {}, {}
-  for spec in tqdm(_specs(args.policies), desc='compiling', unit='policy', file=sys.stderr):
-    results[spec] = measure(named.model, spec, args.batch_size, args.seq_len, target, run=args.time)
+  tags = _model_tags(named, size)
+  specs = _specs(args.policies, named.arch, tags)
+  for spec in specs:  # one-line errors before any compile
+    get_policy(spec, tags=tags)
+  for spec in tqdm(specs, desc='compiling', unit='policy', file=sys.stderr):
+    results[spec] = measure(named.model, spec, args.batch_size, size, target, run=args.time)
     if args.device_peak:
-      peaks[spec] = measured_device_peak(named.name, spec, args.batch_size, args.seq_len)['peak_bytes']
+      peaks[spec] = measured_device_peak(named.name, spec, args.batch_size, size)['peak_bytes']
   table = rows(results)
   for r in table:
     r['measured_device_peak'] = peaks.get(r['policy'])
@@ -174,7 +229,7 @@ def _policy_report(args, named, target, header) -> dict:
     print('# measured device peak (allocator peak_bytes_in_use, fresh process each): ' + ', '.join(
         f"{r['policy']} {format_bytes(r['measured_device_peak'] or 0)}" for r in table))
   print('# temp/peak/host: XLA memory plan; residual: bytes saved for backward (jaxpr); '
-        'recompute: matmul FLOPs / none; * = Pareto front (temp vs recompute)')
+        'recompute: matmul+conv FLOPs / none; * = Pareto front (temp vs recompute)')
   if target.name == 'cpu' and any(get_policy(r['policy']).offloads for r in table):
     print('# offload policies: host offload is a no-op on the CPU backend, so they show no '
           'host bytes here; use --target h100|h200 for a GPU plan')
@@ -187,16 +242,18 @@ def main(argv=None) -> int:
   prefer_cpu_without_gpu()
   args = build_parser().parse_args(argv)
   try:
-    named = _check(args)
+    named, arch, size = _check(args)
     target: Target = get_target(args.target)
+    shape = {'image_size': size} if arch != 'gpt' else {'seq_len': size}
     env = {'jax': jax.__version__, 'backend': jax.default_backend(), 'target': target.name,
-           'device': target.description, 'model': args.model, 'config': named.name,
-           'batch_size': args.batch_size, 'seq_len': args.seq_len, 'dtype': 'float32'}
+           'device': target.description, 'model': arch, 'config': named.name,
+           'batch_size': args.batch_size, **shape, 'dtype': 'float32'}
     what = 'loss gradient (no optimizer)' if args.sweep else 'train step'
-    header = (f'# {what}, {args.model} {named.name}, batch {args.batch_size} x seq {args.seq_len}, '
+    dims = f'image {size}x{size}' if arch != 'gpt' else f'seq {size}'
+    header = (f'# {what}, {arch} {named.name}, batch {args.batch_size} x {dims}, '
               f'float32, target {target.name} ({target.description}), compile only'
               f'{" + timed on the local backend" if args.time else ""} (jax {jax.__version__})')
-    body = (_sweep_report if args.sweep else _policy_report)(args, named, target, header)
+    body = (_sweep_report if args.sweep else _policy_report)(args, named, size, target, header)
   except (PolicyError, TargetError, ValueError, RuntimeError) as e:
     print(f'remat.report: error: {e}', file=sys.stderr)
     return 2

@@ -61,11 +61,17 @@ def test_depth_sweep_slopes():
 
 
 @pytest.mark.parametrize('argv,needle', [
-    (['--model', 'bert'], "unknown model 'bert'; valid: gpt"),
+    (['--model', 'bert'], "unknown model 'bert'; valid: gpt, vit, resnet"),
+    (['--model', 'vit', '--config', 'tiny'], '--model vit does not match config tiny'),
+    (['--image-size', '64'], '--image-size applies to vit and resnet'),
+    (['--model', 'vit', '--image-size', '30'], 'image size 30 is not a multiple of the patch size 4'),
+    (['--model', 'resnet', '--policies', 'minimal'], 'unknown tag(s) query_proj'),
+    (['--model', 'resnet', '--sweep', 'depth=20,50'], 'ResNet depths must be standard ones'),
+    (['--sweep', 'resolution=32,64'], 'expected depth=N,...'),
     (['--target', 'tpu'], "unknown target 'tpu'; valid: cpu, h100, h200"),
     (['--policies', 'nope'], "unknown remat policy 'nope'"),
     (['--config', 'gpt9'], "unknown config 'gpt9'"),
-    (['--sweep', 'width=1,2'], "expected depth=N,N,..."),
+    (['--sweep', 'width=1,2'], "expected depth=N,..."),
     (['--seq-len', '4096'], 'exceeds the model max_len'),
 ])
 def test_errors_are_one_line(argv, needle, capsys):
@@ -103,3 +109,30 @@ def test_device_peak_runs_in_a_fresh_process():
 def test_device_peak_needs_a_gpu(capsys):
   assert report.main(['--device-peak']) == 2
   assert 'needs an attached GPU' in capsys.readouterr().err
+
+
+def test_vision_reports(tmp_path, capsys):
+  out = tmp_path / 'r.json'
+  assert report.main(['--model', 'resnet', '--batch-size', '2', '--image-size', '64',
+                      '--policies', 'full,convs', '--json', str(out)]) == 0
+  text = capsys.readouterr().out
+  assert 'resnet resnet-tiny, batch 2 x image 64x64' in text
+  data = json.loads(out.read_text())
+  assert data['environment']['image_size'] == 64 and data['environment']['model'] == 'resnet'
+  rows = {r['policy']: r for r in data['policies']}
+  # convs saves by primitive: the conv outputs it keeps are the values before their tag.
+  assert rows['convs']['residual_bytes'] > rows['full']['residual_bytes']
+  assert rows['convs']['recompute_ratio'] == 1.0 and rows['full']['recompute_ratio'] > 1.2
+
+
+def test_resolution_sweep_slopes(capsys):
+  # Activations of a convnet grow as the image area: slope ~2 against the side S.
+  from remat.sweep import resolution_sweep
+  from models.resnet import ResNetConfig
+  cfg = ResNetConfig(embedding_size=4, hidden_sizes=(32, 64), depths=(3, 3), num_classes=5,
+                     image_size=32)
+  sweep = resolution_sweep(cfg, [64, 128, 256], 2, get_target('cpu'), policies=('none', 'full'))
+  assert sweep['axis'] == 'image_size' and sweep['values'] == [64, 128, 256]
+  assert 1.7 <= sweep['slopes']['none'] <= 2.1
+  assert all(f < n for f, n in zip(*(
+      [p['activation_bytes'] for p in sweep['points'][k]] for k in ('full', 'none'))))
