@@ -1,0 +1,217 @@
+"""Import Hugging Face GPT-2, ViT and ResNet checkpoints into our Flax models.
+
+A checkpoint is a local ``save_pretrained`` folder: ``config.json`` (read with
+:mod:`json`) and ``model.safetensors`` or a sharded
+``model.safetensors.index.json`` (read with ``safetensors.numpy``). Neither
+torch nor transformers is imported, and pickles (``pytorch_model.bin``) are
+never loaded. The name and layout mapping is in :mod:`models.hf_layout`; the
+result is checked leaf by leaf against the variables our model's ``init``
+produces (traced with :func:`jax.eval_shape`, nothing allocated).
+
+Example::
+
+    arch, config, variables = load_hf('path/to/gpt2', expect_arch='gpt')
+    logits = Task(config).model('none').apply(variables, tokens)
+
+Every failure is an :class:`HFImportError` (a ``ValueError``) with a one-line
+message: a missing folder or file, another architecture, an unsupported
+variant, missing or unknown keys, or a shape that does not fit the config.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+from typing import Any
+
+import jax
+import numpy as np
+
+from models.hf_layout import CONFIGS, MODEL_TYPES, VARIABLES, HFImportError, StateDict, _few
+from training.tasks import ARCH_OF, Task
+
+__all__ = ['HFImportError', 'load_hf', 'load_hf_config', 'from_state_dict']
+
+_NAMES = {'gpt': 'GPT-2', 'vit': 'ViT', 'resnet': 'ResNet'}
+_PREFIX = {arch: prefix for arch, prefix in MODEL_TYPES.values()}
+
+
+def _folder(path) -> pathlib.Path:
+  p = pathlib.Path(path)
+  if not p.exists():
+    raise HFImportError(f'no Hugging Face checkpoint folder at {p}')
+  if not p.is_dir():
+    raise HFImportError(f'{p} is not a folder; expected a save_pretrained folder')
+  return p
+
+
+def _read_json(file: pathlib.Path) -> dict:
+  try:
+    data = json.loads(file.read_text())
+  except (OSError, ValueError) as e:
+    raise HFImportError(f'cannot read {file}: {str(e).splitlines()[0]}') from None
+  if not isinstance(data, dict):
+    raise HFImportError(f'{file} does not hold a JSON object')
+  return data
+
+
+def _hf_config(p: pathlib.Path) -> tuple[str, dict]:
+  file = p / 'config.json'
+  if not file.is_file():
+    raise HFImportError(f'{p} has no config.json; expected a folder written by save_pretrained')
+  hf = _read_json(file)
+  model_type = hf.get('model_type')
+  if model_type not in MODEL_TYPES:
+    supported = ', '.join(f'{t} ({_NAMES[a]})' for t, (a, _) in MODEL_TYPES.items())
+    raise HFImportError(f"{file}: model_type '{model_type}' is not supported; supported: "
+                        f'{supported}')
+  return model_type, hf
+
+
+def load_hf_config(path) -> tuple[str, Any]:
+  """Reads a checkpoint folder's ``config.json``.
+
+  Args:
+    path: a ``save_pretrained`` folder.
+
+  Returns:
+    ``(arch, config)``: 'gpt', 'vit' or 'resnet' and our config dataclass.
+
+  Raises:
+    HFImportError: one line, for a missing folder or config, another
+      model_type, or a variant our model does not compute.
+  """
+  p = _folder(path)
+  model_type, hf = _hf_config(p)
+  arch = MODEL_TYPES[model_type][0]
+  try:
+    return arch, CONFIGS[arch](hf)
+  except HFImportError as e:
+    raise HFImportError(f'{p / "config.json"}: {e}') from None
+  except (ValueError, TypeError, KeyError) as e:
+    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+    raise HFImportError(f'{p / "config.json"}: {msg}') from None
+
+
+def _read_tensors(p: pathlib.Path) -> tuple[dict[str, np.ndarray], str]:
+  single, index = p / 'model.safetensors', p / 'model.safetensors.index.json'
+  if single.is_file():
+    files = [single]
+  elif index.is_file():
+    weight_map = _read_json(index).get('weight_map') or {}
+    files = sorted({p / f for f in weight_map.values()})
+    if not files:
+      raise HFImportError(f'{index} lists no weight files')
+  elif any((p / f).is_file() for f in ('pytorch_model.bin', 'pytorch_model.bin.index.json')):
+    raise HFImportError(f'{p} holds only pytorch_model.bin (a pickle, never loaded here); '
+                        're-save it with save_pretrained(..., safe_serialization=True) for '
+                        'model.safetensors')
+  else:
+    raise HFImportError(f'{p} has no model.safetensors')
+  try:
+    from safetensors.numpy import load_file
+  except ImportError:
+    raise HFImportError('reading model.safetensors needs the safetensors package '
+                        '(pip install safetensors)') from None
+  tensors = {}
+  for f in files:
+    try:
+      tensors.update(load_file(str(f)))
+    except Exception as e:  # safetensors raises its own error types for damaged files
+      first = (str(e).splitlines() or [type(e).__name__])[0]
+      raise HFImportError(f'cannot read {f}: {first}') from None
+  return tensors, files[0].name if len(files) == 1 else index.name
+
+
+@functools.lru_cache(maxsize=16)
+def _expected(config) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
+  """Path -> shape and dtype of every variable our model's init produces for ``config``."""
+  task = Task(config)
+  model = task.model('none')
+  shapes = jax.eval_shape(
+      lambda: model.init(jax.random.PRNGKey(0), task.init_input(task.default_size)))
+  flat = jax.tree_util.tree_flatten_with_path(shapes)[0]
+  return {tuple(k.key for k in path): leaf for path, leaf in flat}
+
+
+def from_state_dict(arch: str, tensors: dict[str, np.ndarray], config, where: str = 'state dict'):
+  """Maps HF-named arrays onto our variable tree for ``config``.
+
+  The mapping is linear (transposes, splits, stacks), so it also maps
+  gradients given in HF's layout to ours.
+
+  Args:
+    arch: 'gpt', 'vit' or 'resnet'.
+    tensors: HF state-dict name -> array (numpy or anything ``np.asarray`` takes).
+    config: our config dataclass the result must fit.
+    where: how messages name the source.
+
+  Returns:
+    ``{'params': ..., 'batch_stats': ...}`` (the latter for ResNet) of float32
+    numpy arrays, with exactly our model's tree and shapes.
+
+  Raises:
+    HFImportError: one line, for missing or unknown keys or the first
+      parameter whose shape does not fit ``config``.
+  """
+  sd = StateDict({k: np.asarray(v) for k, v in tensors.items()}, _PREFIX[arch], where)
+  VARIABLES[arch](sd)
+  extra = sd.leftovers()
+  if extra:
+    raise HFImportError(f'{where} has keys a {_NAMES[arch]} model does not use: {_few(extra)}')
+  expected = _expected(config)
+  out: dict[str, Any] = {}
+  # Parameters before batch_stats, so the first mismatch named is a parameter's.
+  for path, want in sorted(expected.items(), key=lambda item: item[0][0] != 'params'):
+    name = '/'.join(path[1:])
+    if path not in sd.out:
+      raise HFImportError(f'{where} has nothing for {path[0]} {name} (shape {want.shape}) that '
+                          'the config needs')
+    array, source = sd.out[path]
+    if array.shape != want.shape:
+      raise HFImportError(f'shape mismatch at {name} ({source}): checkpoint {array.shape}, '
+                          f'config {want.shape}')
+    node = out
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = np.ascontiguousarray(array, dtype=want.dtype)
+  unplaced = [f'{s} ({"/".join(p[1:])})' for p, (_, s) in sd.out.items() if p not in expected]
+  if unplaced:
+    raise HFImportError(f'{where} has parameters the config has no place for: {_few(unplaced, 2)}')
+  return out
+
+
+def load_hf(path, expect_arch: str | None = None, config=None) -> tuple[str, Any, dict]:
+  """Loads a Hugging Face checkpoint folder into our variables.
+
+  Args:
+    path: a ``save_pretrained`` folder (GPT2LMHeadModel / GPT2Model,
+      ViTForImageClassification, ResNetForImageClassification).
+    expect_arch: if given ('gpt', 'vit' or 'resnet'), the checkpoint must be of it.
+    config: if given (our config dataclass), the checkpoint's shapes must fit
+      it, and it is returned instead of the one read from ``config.json``.
+
+  Returns:
+    ``(arch, config, variables)``; ``variables`` is ``{'params': ...}`` plus
+    ``'batch_stats'`` for ResNet, float32 numpy arrays with the tree and
+    shapes of ``Task(config).model(...).init``.
+
+  Raises:
+    HFImportError: one line (see :func:`load_hf_config`, :func:`from_state_dict`).
+  """
+  if expect_arch is not None and expect_arch not in _NAMES:
+    raise HFImportError(f"unknown expected architecture '{expect_arch}'; valid: "
+                        f'{", ".join(_NAMES)}')
+  arch, hf_config = load_hf_config(path)
+  p = pathlib.Path(path)
+  if expect_arch is not None and arch != expect_arch:
+    raise HFImportError(f'{p} holds a {_NAMES[arch]} checkpoint, not the expected '
+                        f'{_NAMES[expect_arch]}')
+  if config is None:
+    config = hf_config
+  elif ARCH_OF.get(type(config)) != arch:
+    raise HFImportError(f'{p} holds a {_NAMES[arch]} checkpoint, which does not fit a '
+                        f'{type(config).__name__}')
+  tensors, file = _read_tensors(p)
+  return arch, config, from_state_dict(arch, tensors, config, where=str(p / file))
