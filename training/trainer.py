@@ -300,7 +300,10 @@ def matching_config(path: str) -> str:
   from models.hf import load_hf_config
   arch, hf_cfg = load_hf_config(path)
   for name in config_names(arch):
-    if load_config(name).model == hf_cfg:
+    ours = load_config(name).model
+    # A ResNet's image_size is only its default training side, not part of its shape.
+    if ours == (dataclasses.replace(hf_cfg, image_size=ours.image_size)
+                if arch == 'resnet' else hf_cfg):
       return name
   raise RunError(f'--init-from {path}: no shipped {arch} config has its shape ({hf_cfg}); '
                  'pass --config NAME of a config with that shape')
