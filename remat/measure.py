@@ -68,7 +68,8 @@ def step_memory(model_cfg, spec: str | Policy, batch_size: int, size: int,
   """Compiled memory of the train step alone (no FLOP or residual walk)."""
   from training import steps as st
   _, model, tx, state, batch, _, _ = _step(model_cfg, spec, batch_size, size)
-  compiled = st.compile_train_step(model, tx, 0, target.place(state), target.place(batch))
+  compiled = st.compile_train_step(model, tx, 0, target.place(state), target.place(batch),
+                                   target.compiler_options)
   return compiled_memory(compiled, target.name)
 
 
@@ -88,8 +89,8 @@ def grad_memory(model_cfg, spec: str | Policy, batch_size: int, size: int,
   """
   policy, _, _, state, batch, _, loss = _step(model_cfg, spec, batch_size, size)
   grad = jax.jit(jax.grad(loss))
-  compiled = grad.lower(target.place(state.params),
-                        target.place((state.model_state, batch))).compile()
+  compiled = grad.lower(target.place(state.params), target.place((state.model_state, batch))
+                        ).compile(compiler_options=target.compiler_options or None)
   return compiled_memory(compiled, target.name)
 
 
@@ -108,7 +109,8 @@ def measure(model_cfg, spec: str | Policy, batch_size: int, size: int, target: T
   """
   from training import steps as st
   policy, model, tx, state, batch, step, loss = _step(model_cfg, spec, batch_size, size)
-  compiled = st.compile_train_step(model, tx, 0, target.place(state), target.place(batch))
+  compiled = st.compile_train_step(model, tx, 0, target.place(state), target.place(batch),
+                                   target.compiler_options)
   seconds = None
   if run:
     if target.sharding is not None:

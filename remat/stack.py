@@ -21,14 +21,12 @@ A block follows the scan convention ``__call__(self, x, rng) -> (x, None)``,
 where ``rng`` is its dropout key (None when deterministic).
 
 One-iteration loops. A stack of one layer (a ResNet stage's downsampling
-block), a remainder segment and a ``stage`` segment run as scans of length 1.
-XLA inlines such loops, so their remat gets ``prevent_cse=True`` (an
-optimisation barrier) instead of relying on the loop. GPU plans honour these
-checkpoints; the XLA CPU backend does not: after inlining it keeps their
-activations as without remat (measured: ``stage`` on ResNet-50 saves 4 GiB of
-25 GiB residuals in the jaxpr, yet compiles to the temp of ``none`` on CPU and
-to 46% of it on an H200 plan). Only checkpoints inside loops of >= 2
-iterations save memory on CPU.
+block), a remainder segment and a ``stage`` segment run as scans of length 1,
+with ``prevent_cse=True`` (an optimisation barrier) since the loop cannot be
+relied on. XLA's while-loop simplifier inlines such loops, after which the CPU
+backend keeps the activations their checkpoints were to drop: compile CPU
+steps with :data:`remat.targets.CPU_COMPILER_OPTIONS` (the train step, the
+report and the tests do). GPU pipelines honour these checkpoints either way.
 """
 
 from __future__ import annotations

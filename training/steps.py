@@ -76,9 +76,16 @@ def abstract_inputs(model: nn.Module, tx: optax.GradientTransformation, batch_si
 
 
 def compile_train_step(model: nn.Module, tx: optax.GradientTransformation, seed: int,
-                       state, batch):
-  """AOT-compiles the train step for (abstract) ``state`` and ``batch``, donating the state."""
-  return jax.jit(make_train_step(model, tx, seed), donate_argnums=0).lower(state, batch).compile()
+                       state, batch, compiler_options: dict | None = None):
+  """AOT-compiles the train step for (abstract) ``state`` and ``batch``, donating the state.
+
+  ``compiler_options`` default to :func:`remat.targets.compiler_options` of the
+  local backend (on CPU they keep one-iteration loops, so their remat holds).
+  """
+  from remat.targets import compiler_options as local_options
+  options = local_options() if compiler_options is None else compiler_options
+  return jax.jit(make_train_step(model, tx, seed), donate_argnums=0).lower(state, batch).compile(
+      compiler_options=options or None)
 
 
 def make_eval_step(model: nn.Module):
