@@ -10,7 +10,7 @@ transformers = pytest.importorskip('transformers')
 from configs import load_config  # noqa: E402
 from models.hf import load_hf  # noqa: E402
 from training import cli  # noqa: E402
-from training.trainer import TrainConfig, restore  # noqa: E402
+from training.trainer import restore  # noqa: E402
 from training import steps as st  # noqa: E402
 from training.tasks import Task  # noqa: E402
 
