@@ -62,9 +62,10 @@ def test_vit_trains_with_dropout(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize('model', ['vit', 'resnet'])
 def test_default_run_loss_falls_clearly(model, tmp_path):
-  # The README's default vision runs, shortened to 150 steps.
-  rows = train(TrainConfig(**{**cli.config_from_args(cli.build_parser().parse_args(
-      [f'--model={model}'])).__dict__, 'steps': 150, 'eval_every': 150,
-      'out': str(tmp_path / model), 'memory_report': False}), log=lambda *_: None)
-  assert rows[-1]['val_loss'] < 0.85 * np.log(10)
-  assert rows[-1]['val_accuracy'] > 0.25
+  # The README's default vision runs (python train.py --model vit|resnet), 2-4 minutes each.
+  args = cli.build_parser().parse_args([f'--model={model}', f'--out={tmp_path / model}',
+                                        '--no-memory-report'])
+  rows = train(cli.config_from_args(args), log=lambda *_: None)
+  assert rows[0]['loss'] > 0.95 * np.log(10)  # chance level at the start
+  assert rows[-1]['val_loss'] < 0.8 * np.log(10)
+  assert rows[-1]['val_accuracy'] > 0.3  # chance: 0.1

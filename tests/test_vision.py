@@ -225,6 +225,17 @@ def test_one_optimizer_step_updates_batch_stats_equally():
                          ['normalization']['var'])
 
 
+@pytest.mark.parametrize('shape', [(2, 9, 10, 3), (1, 32, 32, 4)])
+def test_stem_max_pool_gradient_equals_jax(shape):
+  import flax.linen as nn
+  from models.resnet import max_pool_3x3_s2
+  x = jax.nn.relu(jax.random.normal(jax.random.PRNGKey(0), shape))  # many tied zeros
+  w = jax.random.normal(jax.random.PRNGKey(1), max_pool_3x3_s2(x).shape)
+  ref = jax.grad(lambda x: (nn.max_pool(x, (3, 3), (2, 2), ((1, 1), (1, 1))) * w).sum())(x)
+  got = jax.grad(lambda x: (max_pool_3x3_s2(x) * w).sum())(x)
+  np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6)  # summation order of overlaps
+
+
 @pytest.mark.parametrize('make,needle', [
     (lambda: ViTConfig(image_size=30, patch_size=4), 'must be a multiple of patch_size'),
     (lambda: ResNetConfig(layer_type='dense'), "layer_type must be 'basic' or 'bottleneck'"),
