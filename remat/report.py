@@ -250,6 +250,8 @@ def main(argv=None) -> int:
            'batch_size': args.batch_size, **shape, 'dtype': 'float32'}
     what = 'loss gradient (no optimizer)' if args.sweep else 'train step'
     dims = f'image {size}x{size}' if arch != 'gpt' else f'seq {size}'
+    if args.sweep and args.sweep.startswith('resolution'):
+      dims = 'image SxS'
     header = (f'# {what}, {arch} {named.name}, batch {args.batch_size} x {dims}, '
               f'float32, target {target.name} ({target.description}), compile only'
               f'{" + timed on the local backend" if args.time else ""} (jax {jax.__version__})')
