@@ -31,7 +31,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from models.layers import TRANSFORMER_TAGS, attention, dropout_keys
+from models.layers import TRANSFORMER_TAGS, attention, dropout, dropout_keys, gelu_tanh
 from remat.policies import Policy, get_policy
 from remat.stack import LayerStack
 
@@ -51,6 +51,11 @@ class GPTConfig:
     d_model: width (HF ``n_embd``).
     dropout: embedding, attention and residual dropout rate (HF uses 0.1 for all).
     layer_norm_eps: LayerNorm epsilon.
+    loss_chunk: tokens per chunk of the training loss's tied output layer
+      (:func:`models.layers.chunked_cross_entropy`): ``None`` (the default) picks
+      chunks of <= 64 MiB of logits (256 tokens at 50257 words) and the plain
+      loss when one chunk covers the batch (always for the byte-level V = 256);
+      ``0`` always takes the plain loss. Changes memory and time, not values.
   """
   vocab_size: int = 256
   max_len: int = 256
@@ -59,6 +64,7 @@ class GPTConfig:
   d_model: int = 128
   dropout: float = 0.1
   layer_norm_eps: float = 1e-5
+  loss_chunk: int | None = None
 
   def __post_init__(self):
     for f in ('vocab_size', 'max_len', 'num_layers', 'num_heads', 'd_model'):
@@ -67,6 +73,8 @@ class GPTConfig:
     if self.d_model % self.num_heads:
       raise ValueError(f'GPTConfig.d_model ({self.d_model}) must be divisible by '
                        f'num_heads ({self.num_heads})')
+    if self.loss_chunk is not None and self.loss_chunk < 0:
+      raise ValueError(f'GPTConfig.loss_chunk must be >= 0 or None, got {self.loss_chunk}')
     if not 0.0 <= self.dropout < 1.0:
       raise ValueError(f'GPTConfig.dropout must be in [0, 1), got {self.dropout}')
 
@@ -98,7 +106,7 @@ class Attention(nn.Module):
     out = _dense(cfg.d_model, 'c_proj', 0.02 / math.sqrt(2 * cfg.num_layers))(
         ctx.reshape(b, t, cfg.d_model))
     out = checkpoint_name(out, 'out_proj')
-    return nn.Dropout(cfg.dropout)(out, self.deterministic, rng=resid_key)
+    return dropout(out, cfg.dropout, deterministic=self.deterministic, rng=resid_key)
 
 
 class MLP(nn.Module):
@@ -110,10 +118,10 @@ class MLP(nn.Module):
   def __call__(self, x, rng):
     cfg = self.config
     h = checkpoint_name(_dense(4 * cfg.d_model, 'c_fc')(x), 'mlpwi')
-    h = nn.gelu(h, approximate=True)
+    h = gelu_tanh(h)
     out = _dense(cfg.d_model, 'c_proj', 0.02 / math.sqrt(2 * cfg.num_layers))(h)
     out = checkpoint_name(out, 'mlpwo')
-    return nn.Dropout(cfg.dropout)(out, self.deterministic, rng=rng)
+    return dropout(out, cfg.dropout, deterministic=self.deterministic, rng=rng)
 
 
 class Block(nn.Module):
@@ -135,6 +143,11 @@ class Block(nn.Module):
 class GPT(nn.Module):
   """GPT-2 language model returning next-token logits [B, T, vocab].
 
+  ``return_hidden=True`` (or :meth:`hidden`) returns the final hidden states
+  [B, T, d_model] instead, the input of the tied output layer ``logits = x @
+  wte.T``: the training loss computes that layer itself, in chunks, so the full
+  logits never exist (:func:`models.layers.chunked_cross_entropy`).
+
   Attributes:
     config: model shape.
     policy: remat policy (a :class:`~remat.policies.Policy` or a spec string).
@@ -143,7 +156,7 @@ class GPT(nn.Module):
   policy: Policy | str = 'none'
 
   @nn.compact
-  def __call__(self, tokens, *, deterministic: bool = True):
+  def __call__(self, tokens, *, deterministic: bool = True, return_hidden: bool = False):
     cfg = self.config
     policy = get_policy(self.policy, num_layers=cfg.num_layers)
     t = tokens.shape[1]
@@ -159,4 +172,8 @@ class GPT(nn.Module):
                    block_kwargs={'config': cfg, 'deterministic': deterministic},
                    name='h')(x, deterministic=deterministic)
     x = nn.LayerNorm(cfg.layer_norm_eps, name='ln_f')(x)
-    return wte.attend(x)
+    return x if return_hidden else wte.attend(x)
+
+  def hidden(self, tokens, *, deterministic: bool = True):
+    """Final hidden states [B, T, d_model] (after ``ln_f``); ``wte.attend`` of them are the logits."""
+    return self(tokens, deterministic=deterministic, return_hidden=True)

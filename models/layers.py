@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 # The checkpoint names a Transformer block emits; GPT-2 and ViT use the same
@@ -27,6 +28,131 @@ def dropout_keys(rng, n: int):
   return (None,) * n if rng is None else tuple(jax.random.fold_in(rng, i) for i in range(n))
 
 
+@jax.custom_jvp
+def gelu_tanh(x):
+  """``jax.nn.gelu(x, approximate=True)`` (GPT-2's ``gelu_new``), with a derivative that keeps one array.
+
+  Same values; the derivative ``gelu'(x)`` is formed in the forward pass, so a
+  layer that stores its activations (no remat) keeps that one array for the
+  backward pass instead of the four intermediates of the tanh formula
+  (``x**3``, ``tanh``, ``1 - tanh**2``, ...). Under remat it is recomputed
+  like any elementwise op.
+  """
+  return jax.nn.gelu(x, approximate=True)
+
+
+@gelu_tanh.defjvp
+def _gelu_tanh_jvp(primals, tangents):
+  (x,), (dx,) = primals, tangents
+  c = math.sqrt(2 / math.pi)
+  t = jnp.tanh(c * (x + 0.044715 * x ** 3))
+  slope = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x)
+  return jax.nn.gelu(x, approximate=True), slope * dx
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def softmax(x, axis: int = -1):
+  """``jax.nn.softmax`` (same values) whose derivative needs only its output.
+
+  ``y * (dx - sum(y * dx))``: without remat the backward pass keeps ``y``
+  alone, not also ``exp(x - max)`` as the differentiated formula does (JAX's
+  own rule behind ``jax_softmax_custom_jvp``, off by default).
+  """
+  return jax.nn.softmax(x, axis=axis)
+
+
+@softmax.defjvp
+def _softmax_jvp(axis, primals, tangents):
+  (x,), (dx,) = primals, tangents
+  y = softmax(x, axis)
+  return y, y * (dx - jnp.sum(y * dx, axis=axis, keepdims=True))
+
+
+def _threefry2x32(k1, k2, x1, x2):
+  """The Threefry-2x32 hash (20 rounds) as JAX computes it, written out unrolled."""
+  def rotl(v, r):
+    return (v << np.uint32(r)) | (v >> np.uint32(32 - r))
+  rotations = ((13, 15, 26, 6), (17, 29, 16, 24))
+  ks = (k1, k2, k1 ^ k2 ^ np.uint32(0x1BD11BDA))
+  x1, x2 = x1 + ks[0], x2 + ks[1]
+  for i in range(5):
+    for r in rotations[i % 2]:
+      x1 = x1 + x2
+      x2 = x1 ^ rotl(x2, r)
+    x1, x2 = x1 + ks[(i + 1) % 3], x2 + ks[(i + 2) % 3] + np.uint32(i + 1)
+  return x1, x2
+
+
+def _tied_zero(x) -> jax.Array:
+  """A uint32 zero computed from one element of ``x`` (``min(bits, 0)``), whatever its value.
+
+  Index arrays and fill values that depend on no input are kept by JAX as
+  loop-invariant residuals of a layer scan (computed once, outside the loop, at
+  full size) and hoisted by XLA out of loops; adding this zero ties them to an
+  input, so they stay inside the fusion that consumes them. XLA does not fold it.
+  """
+  x = x.reshape(-1)[0]
+  if not jnp.issubdtype(x.dtype, jnp.unsignedinteger):
+    x = jax.lax.bitcast_convert_type(x, jnp.dtype(f'uint{8 * x.dtype.itemsize}'))
+  return jnp.minimum(x, jnp.zeros((), x.dtype)).astype(jnp.uint32)
+
+
+def _fused_bits_ok(rng, shape) -> bool:
+  return (bool(jax.config.jax_threefry_partitionable) and not jax.dtypes.issubdtype(
+      rng.dtype, jax.dtypes.prng_key) and rng.shape == (2,) and rng.dtype == jnp.uint32
+      and math.prod(shape) < 2**32)
+
+
+def bernoulli(rng, p: float, shape) -> jax.Array:
+  """``jax.random.bernoulli(rng, p, shape)``, bit for bit, as one elementwise computation.
+
+  On the CPU backend JAX hashes random bits in a rolled loop over materialised
+  counters, about 24 bytes of temporaries per element (300 MB for one GPT-2
+  attention mask at batch 4 x 512) in every layer's forward pass and again in
+  each recompute. Written out, XLA fuses counters, hash and comparison into the
+  bool mask itself. Falls back to ``jax.random.bernoulli`` where the bits could
+  differ (typed or non-threefry keys, ``jax_threefry_partitionable`` off).
+  """
+  shape = tuple(shape)
+  if not _fused_bits_ok(rng, shape):
+    return jax.random.bernoulli(rng, p, shape)
+  # Counters: the flat element index (< 2**32, so the high word is 0), built in Horner form
+  # from per-axis iotas of one axis each, each with a zero tied to the key (_tied_zero), so
+  # that nothing of the mask's full shape is free of inputs (or a [B, H, T, T] uint32
+  # array would be materialised outside the layer loop). As written, counters, hash and
+  # comparison fuse into the bool mask.
+  zero = _tied_zero(rng)
+  index = zero
+  for dim, size in enumerate(shape):
+    axis = [1] * len(shape)
+    axis[dim] = size
+    index = index * np.uint32(size) + (jax.lax.broadcasted_iota(jnp.uint32, axis, dim) + zero)
+  b1, b2 = _threefry2x32(rng[0], rng[1], zero, index)   # high words: 0, broadcast
+  # jax.random.uniform's float32 from 32 random bits, then bernoulli's comparison.
+  bits = jax.lax.shift_right_logical(b1 ^ b2, np.uint32(32 - 23)) | np.array(1.0, np.float32).view(
+      np.uint32)
+  u = jax.lax.bitcast_convert_type(bits, jnp.float32) - jnp.float32(1.0)
+  u = jax.lax.max(jnp.float32(0.0), u * jnp.float32(1.0) + jnp.float32(0.0))
+  return u < jnp.asarray(p, jnp.float32)
+
+
+def dropout(x, rate: float, *, deterministic: bool, rng):
+  """``flax.linen.Dropout(rate)(x, deterministic, rng=rng)``: the same masks and values.
+
+  The mask comes from :func:`bernoulli`, which has none of the CPU backend's
+  random-bit temporaries.
+  """
+  if rate == 0.0 or deterministic:
+    return x
+  if rng is None:
+    raise ValueError('dropout in training mode needs a key (rng)')
+  if rate == 1.0:
+    return jnp.zeros_like(x)
+  keep_prob = 1.0 - rate
+  mask = bernoulli(rng, keep_prob, x.shape)
+  return jax.lax.select(mask, x / keep_prob, jnp.zeros_like(x))
+
+
 def attention(q, k, v, *, causal: bool, dropout_rate: float, deterministic: bool, rng):
   """Softmax attention of [B, T, H, Dh] heads; returns the context tagged ``context``.
 
@@ -38,6 +164,120 @@ def attention(q, k, v, *, causal: bool, dropout_rate: float, deterministic: bool
     t = q.shape[1]
     scores = jnp.where(jnp.tril(jnp.ones((t, t), dtype=bool)), scores,
                        jnp.finfo(scores.dtype).min)
-  probs = jax.nn.softmax(scores, axis=-1)
-  probs = nn.Dropout(dropout_rate)(probs, deterministic, rng=rng)
+  probs = softmax(scores, axis=-1)
+  probs = dropout(probs, dropout_rate, deterministic=deterministic, rng=rng)
   return checkpoint_name(jnp.einsum('bhqk,bkhd->bqhd', probs, v), 'context')
+
+
+# Bytes of float32 logits one chunk of the chunked cross-entropy may hold when
+# the chunk size is left to :func:`loss_chunk_tokens`.
+LOSS_CHUNK_BYTES = 64 * 2**20
+
+
+def loss_chunk_tokens(vocab_size: int, num_tokens: int, chunk: int | None = None) -> int:
+  """Tokens per chunk of :func:`chunked_cross_entropy`, or 0 for the plain loss.
+
+  Args:
+    vocab_size: V, the width of the output layer.
+    num_tokens: N, the tokens of the batch (B * T).
+    chunk: ``None`` picks the largest power of two whose float32 logits
+      ``[chunk, V]`` fit :data:`LOSS_CHUNK_BYTES` (256 tokens, 51 MB, for GPT-2's
+      50257 words); ``0`` always takes the plain loss; a positive number is
+      used as given.
+
+  Returns the chunk, or 0 when the plain loss is at least as good: one chunk
+  would cover the batch (the byte-level vocabulary, V = 256, always does).
+  """
+  if chunk is None:
+    limit = max(1, LOSS_CHUNK_BYTES // (4 * vocab_size))
+    chunk = 1 << (limit.bit_length() - 1)
+  if chunk < 0:
+    raise ValueError(f'loss chunk must be >= 0 tokens, got {chunk}')
+  return 0 if chunk == 0 or chunk >= num_tokens else chunk
+
+
+def _chunked(h, labels, chunk: int):
+  """[N, D], [N] -> [C, chunk, D], [C, chunk], weights [C, chunk] (0 on padding)."""
+  n = h.shape[0]
+  num = -(-n // chunk)
+  pad = num * chunk - n
+  weight = jnp.ones((n,), jnp.float32)
+  h, labels, weight = (jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1))
+                       for a in (h, labels, weight))
+  return (h.reshape(num, chunk, h.shape[-1]), labels.reshape(num, chunk),
+          weight.reshape(num, chunk))
+
+
+def _chunk_logits(hc, emb, yc):
+  """Logits [c, V] of one chunk (float32), their logsumexp and the label logits."""
+  logits = jnp.dot(hc, emb.T, preferred_element_type=jnp.float32)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  label_logit = jnp.take_along_axis(logits, yc[:, None], axis=-1)[:, 0]
+  return logits, lse, label_logit
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def chunked_cross_entropy(h, emb, labels, chunk: int):
+  """Mean softmax cross-entropy of the tied output layer ``logits = h @ emb.T``, in chunks.
+
+  Equal (within float32 rounding) to
+  ``optax.softmax_cross_entropy_with_integer_labels(h @ emb.T, labels).mean()``,
+  but the ``[N, V]`` logits and their gradient never exist at once: a scan over
+  chunks of ``chunk`` tokens holds one chunk's ``[chunk, V]`` logits at a time.
+
+  The gradient is computed with the loss, in the same pass over the chunks
+  (the loss is a mean, so ``d loss / d logits = (softmax - onehot) / N``): the
+  forward pass keeps ``dL/dh`` ``[N, D]`` and ``dL/demb`` ``[V, D]`` and the
+  backward pass scales them by the incoming cotangent. So the logits matmul is
+  never recomputed: three ``N x D x V`` matmuls, as without chunking. Only
+  reverse-mode differentiation is defined (as for any ``custom_vjp``).
+
+  Args:
+    h: final hidden states ``[N, D]``.
+    emb: the tied embedding ``[V, D]``.
+    labels: int ``[N]``.
+    chunk: tokens per chunk (static); N need not be a multiple (padding rows
+      weigh 0).
+  """
+  hs, ys, ws = _chunked(h, labels, chunk)
+
+  def body(total, xs):
+    hc, yc, wc = xs
+    _, lse, label_logit = _chunk_logits(hc, emb, yc)
+    return total + jnp.sum((lse - label_logit) * wc), None
+  total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (hs, ys, ws))
+  return total / h.shape[0]
+
+
+def _cross_entropy_fwd(h, emb, labels, chunk):
+  n = h.shape[0]
+  hs, ys, ws = _chunked(h, labels, chunk)
+
+  def grads(hc, yc, wc):
+    """One chunk's loss sum and its contributions to dL/dh and dL/demb."""
+    logits, lse, label_logit = _chunk_logits(hc, emb, yc)
+    # d mean / d logits = (softmax - onehot) / N, zero on padding rows.
+    probs = jnp.exp(logits - lse[:, None])
+    onehot = jnp.arange(logits.shape[-1])[None, :] == yc[:, None]
+    d_logits = jnp.where(onehot, probs - 1.0, probs) * (wc / n)[:, None]
+    return (jnp.sum((lse - label_logit) * wc), jnp.dot(d_logits, emb.astype(jnp.float32)),
+            jnp.dot(d_logits.T, hc.astype(jnp.float32)))
+
+  def body(carry, xs):
+    total, d_emb = carry
+    loss_c, d_hc, d_emb_c = grads(*xs)
+    return (total + loss_c, d_emb + d_emb_c), d_hc
+  # The first chunk starts the [V, D] accumulator: a zero-filled one would be allocated
+  # early (XLA schedules the fill during the layers' forward pass) and add to its peak.
+  total, d_h0, d_emb = grads(hs[0], ys[0], ws[0])
+  (total, d_emb), d_h = jax.lax.scan(body, (total, d_emb), (hs[1:], ys[1:], ws[1:]))
+  d_h = jnp.concatenate([d_h0[None], d_h]).reshape(-1, h.shape[-1])[:n]
+  return total / n, (d_h.astype(h.dtype), d_emb.astype(emb.dtype))
+
+
+def _cross_entropy_bwd(chunk, res, g):
+  d_h, d_emb = res
+  return g * d_h, g * d_emb, None
+
+
+chunked_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from models.gpt import GPT, GPTConfig
+from models.layers import chunked_cross_entropy, loss_chunk_tokens
 from models.resnet import ResNet, ResNetConfig
 from models.vit import ViT, ViTConfig
 
@@ -115,13 +116,32 @@ class Task:
     train = dropout_rng is not None
     rngs = {'dropout': dropout_rng} if train else None
     variables = {'params': params, **model_state}
+    if self.arch == 'gpt':
+      return self._lm_loss(model, variables, batch, train, rngs), (dict(model_state), {})
     mutable = list(model_state) if train and model_state else False
-    inputs = batch[:, :-1] if self.arch == 'gpt' else batch['images']
+    inputs = batch['images']
     out = model.apply(variables, inputs, deterministic=not train, rngs=rngs, mutable=mutable)
     logits, new_state = out if mutable else (out, model_state)
-    labels = batch[:, 1:] if self.arch == 'gpt' else batch['labels']
+    labels = batch['labels']
     loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
-    metrics = {}
-    if self.is_vision:
-      metrics['accuracy'] = jnp.mean(jnp.argmax(logits, -1) == labels)
+    metrics = {'accuracy': jnp.mean(jnp.argmax(logits, -1) == labels)}
     return loss, (dict(new_state), metrics)
+
+  def _lm_loss(self, model: nn.Module, variables, windows, train: bool, rngs):
+    """Mean next-token cross-entropy of a GPT over ``windows`` [B, T + 1].
+
+    The tied output layer is computed here from the final hidden states: in
+    chunks of ``config.loss_chunk`` tokens (:func:`models.layers.chunked_cross_entropy`:
+    the [B*T, V] logits and their gradient never exist), or plainly when the
+    vocabulary is small enough that one chunk covers the batch. Same value and
+    gradients either way, within float32 rounding.
+    """
+    inputs, labels = windows[:, :-1], windows[:, 1:]
+    emb = variables['params']['wte']['embedding']
+    chunk = loss_chunk_tokens(emb.shape[0], labels.size, self.config.loss_chunk)
+    if not chunk:
+      logits = model.apply(variables, inputs, deterministic=not train, rngs=rngs)
+      return optax.softmax_cross_entropy_with_integer_labels(
+          logits.astype(jnp.float32), labels).mean()
+    h = model.apply(variables, inputs, deterministic=not train, rngs=rngs, return_hidden=True)
+    return chunked_cross_entropy(h.reshape(-1, h.shape[-1]), emb, labels.reshape(-1), chunk)
