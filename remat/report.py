@@ -198,14 +198,8 @@ def _sweep_report(args, named, size, target, header) -> dict:
 
 
 def _model_tags(named, size) -> list[str]:
-  from remat.tags import emitted_tags
   from training.tasks import Task
-  task = Task(named.model).at_size(size)
-  model = task.model('none')
-  example = task.init_input(size)
-  variables = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), example))
-  return sorted(emitted_tags(lambda v, x: model.apply(v, x), variables,
-                             jax.ShapeDtypeStruct(example.shape, example.dtype)))
+  return sorted(Task(named.model).at_size(size).emitted_tags(size))
 
 
 def _policy_report(args, named, size, target, header) -> dict:

@@ -106,6 +106,15 @@ class Task:
     params = variables.pop('params')
     return params, variables
 
+  def emitted_tags(self, size: int) -> set[str]:
+    """The checkpoint names this model emits at ``size`` (traced abstractly; nothing allocated)."""
+    from remat.tags import emitted_tags
+    model = self.model('none')
+    example = self.init_input(size)
+    variables = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), example))
+    return emitted_tags(lambda v, x: model.apply(v, x), variables,
+                        jax.ShapeDtypeStruct(example.shape, example.dtype))
+
   def loss(self, model: nn.Module, params, model_state, batch, dropout_rng=None):
     """Mean cross-entropy of ``batch``, in training mode when ``dropout_rng`` is given.
 

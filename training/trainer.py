@@ -14,10 +14,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
-from configs import DEFAULT_CONFIG, NamedConfig, load_config
+from configs import DEFAULT_CONFIG, NamedConfig, config_names, load_config
 from remat.memory import MemoryStats, compiled_memory, format_bytes
 from remat.policies import Policy, get_policy
-from remat.tags import emitted_tags
 from training import steps as st
 from training.data import load_text
 from training.images import load_images
@@ -86,7 +85,7 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
   named = load_config(cfg.config)
   if cfg.model is not None and cfg.model != named.arch:
     raise RunError(f"--model {cfg.model} does not match config {named.name} (a {named.arch} "
-                   f"model); {cfg.model} configs: {', '.join(_configs_of(cfg.model))}")
+                   f"model); {cfg.model} configs: {', '.join(config_names(cfg.model))}")
   task = Task(named.model)
   model_cfg = named.model
   if task.is_vision:
@@ -94,7 +93,7 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
     if task.arch == 'vit' and size != model_cfg.image_size:
       raise RunError(f'--image-size {size} does not fit config {named.name}: its positions are '
                      f'learned for {model_cfg.image_size}x{model_cfg.image_size}; pick a config '
-                     f"of that size ({', '.join(_configs_of('vit'))})")
+                     f"of that size ({', '.join(config_names('vit'))})")
     if task.arch == 'resnet' and size < 32:
       raise RunError(f'--image-size must be >= 32 for a ResNet, got {size}')
   else:
@@ -108,17 +107,7 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
       raise RunError(f'config {named.name} has vocab_size {model_cfg.vocab_size}; '
                      'byte data needs >= 256')
   policy = get_policy(cfg.remat, num_layers=task.num_layers)
-  model = task.model('none')
-  example = task.init_input(size)
-  variables = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), example))
-  tags = emitted_tags(lambda v, x: model.apply(v, x), variables,
-                      jax.ShapeDtypeStruct(example.shape, example.dtype))
-  return named, task, size, policy.validate(task.num_layers, tags)
-
-
-def _configs_of(arch: str) -> list[str]:
-  from configs import config_names
-  return config_names(arch)
+  return named, task, size, policy.validate(task.num_layers, task.emitted_tags(size))
 
 
 def default_config(model: str | None) -> str:
@@ -201,7 +190,7 @@ def train(cfg: TrainConfig, log=print) -> list[dict]:
   if cfg.init_from and not cfg.resume:
     from models.hf import load_hf
     pretrained = load_hf(cfg.init_from, expect_arch=named.arch, config=named.model)[2]
-  data, batch_at, val = _data(cfg, task, size, log)
+  batch_at, val = _data(cfg, task, size, log)
   log(f'model: {named.name} ({named.description}) | policy: {policy.spec}: {policy.description}')
 
   model = task.model(policy)
@@ -266,7 +255,7 @@ def train(cfg: TrainConfig, log=print) -> list[dict]:
 
 
 def _data(cfg: TrainConfig, task: Task, size: int, log):
-  """(data, batch_at(step), validation batches) for the task; logs what the data is."""
+  """(batch_at(step), validation batches) for the task; logs what the data is."""
   if task.is_vision:
     mc = task.config
     data = load_images(size, min(10, mc.num_classes), mc.channels)
@@ -274,12 +263,12 @@ def _data(cfg: TrainConfig, task: Task, size: int, log):
     val = [_image_batch(b) for b in data.val_batches(cfg.eval_batches, cfg.batch_size)]
     log(f'data: {data.source}: a fresh training batch every step, {len(val) * cfg.batch_size} '
           'held-out images')
-    return data, batch_at, val
+    return batch_at, val
   data = load_text(cfg.data, size)
   log(f'data: {data.source}: {data.num_files} files, {len(data.train):,} train / '
         f'{len(data.val):,} val bytes')
   batch_at = lambda step: data.batch(step, cfg.batch_size, size, cfg.seed)
-  return data, batch_at, data.val_batches(cfg.eval_batches, cfg.batch_size, size)
+  return batch_at, data.val_batches(cfg.eval_batches, cfg.batch_size, size)
 
 
 def _pretrained_state(variables: dict, tx) -> st.TrainState:
@@ -296,7 +285,6 @@ def matching_config(path: str) -> str:
   Raises:
     RunError: one line, naming the checkpoint's shape when no shipped config has it.
   """
-  from configs import config_names
   from models.hf import load_hf_config
   arch, hf_cfg = load_hf_config(path)
   for name in config_names(arch):
