@@ -31,7 +31,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from models.layers import TRANSFORMER_TAGS, attention, dropout, dropout_keys, gelu_tanh
+from models.layers import TRANSFORMER_TAGS, LayerNorm, attention, dropout, dropout_keys, gelu_tanh
 from remat.policies import Policy, get_policy
 from remat.stack import LayerStack
 
@@ -133,9 +133,9 @@ class Block(nn.Module):
   def __call__(self, x, rng):
     cfg = self.config
     attn_key, mlp_key = dropout_keys(rng, 2)
-    h = nn.LayerNorm(cfg.layer_norm_eps, name='ln_1')(x)
+    h = LayerNorm(cfg.layer_norm_eps, name='ln_1')(x)
     x = x + Attention(cfg, self.deterministic, name='attn')(h, attn_key)
-    h = nn.LayerNorm(cfg.layer_norm_eps, name='ln_2')(x)
+    h = LayerNorm(cfg.layer_norm_eps, name='ln_2')(x)
     x = x + MLP(cfg, self.deterministic, name='mlp')(h, mlp_key)
     return x, None
 
@@ -171,7 +171,7 @@ class GPT(nn.Module):
     x = LayerStack(Block, cfg.num_layers, policy,
                    block_kwargs={'config': cfg, 'deterministic': deterministic},
                    name='h')(x, deterministic=deterministic)
-    x = nn.LayerNorm(cfg.layer_norm_eps, name='ln_f')(x)
+    x = LayerNorm(cfg.layer_norm_eps, name='ln_f')(x)
     return x if return_hidden else wte.attend(x)
 
   def hidden(self, tokens, *, deterministic: bool = True):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,22 +51,76 @@ def _gelu_tanh_jvp(primals, tangents):
   return jax.nn.gelu(x, approximate=True), slope * dx
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
-def softmax(x, axis: int = -1):
-  """``jax.nn.softmax`` (same values) whose derivative needs only its output.
+@jax.custom_jvp
+def gelu_exact(x):
+  """``jax.nn.gelu(x, approximate=False)`` (ViT's erf GELU), with a derivative that keeps one array.
 
-  ``y * (dx - sum(y * dx))``: without remat the backward pass keeps ``y``
-  alone, not also ``exp(x - max)`` as the differentiated formula does (JAX's
-  own rule behind ``jax_softmax_custom_jvp``, off by default).
+  Same values; the derivative ``Phi(x) + x * phi(x)`` is formed in the forward
+  pass, so without remat the backward pass keeps it alone instead of the four
+  ``[.., F]`` intermediates JAX's erfc derivative keeps (``exp``, ``erfc``, ...).
   """
-  return jax.nn.softmax(x, axis=axis)
+  return jax.nn.gelu(x, approximate=False)
 
 
-@softmax.defjvp
-def _softmax_jvp(axis, primals, tangents):
+@gelu_exact.defjvp
+def _gelu_exact_jvp(primals, tangents):
   (x,), (dx,) = primals, tangents
-  y = softmax(x, axis)
-  return y, y * (dx - jnp.sum(y * dx, axis=axis, keepdims=True))
+  cdf = 0.5 * jax.lax.erfc(-x * np.sqrt(0.5).astype(x.dtype))
+  pdf = jnp.exp(-0.5 * x * x) * np.float32(1 / math.sqrt(2 * math.pi)).astype(x.dtype)
+  return jax.nn.gelu(x, approximate=False), (cdf + x * pdf) * dx
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def layer_norm(x, scale, bias, eps: float):
+  """LayerNorm over the last axis, as ``flax.linen.LayerNorm`` computes it, with a lean derivative.
+
+  The derivative rule forms the normalised input ``x_hat`` and ``1 / std`` in
+  the forward pass and writes the tangent with them alone, so without remat the
+  backward pass keeps those two (one ``[.., D]`` array and one per row) instead
+  of the four ``[.., D]`` arrays of the differentiated formula (``x * x``,
+  ``x - mean``, ...). The output, which the next matmul keeps anyway, is the
+  second array, as in PyTorch's LayerNorm.
+  """
+  y, _, _ = _layer_norm_parts(x, scale, bias, eps)
+  return y
+
+
+def _layer_norm_parts(x, scale, bias, eps):
+  """Output (Flax's formula: fast variance, ``(x - mean) * (rsqrt(var + eps) * scale) + bias``), x_hat, rstd."""
+  mean = jnp.mean(x, axis=-1, keepdims=True)
+  var = jnp.maximum(0.0, jnp.mean(jax.lax.square(x), axis=-1, keepdims=True) - jax.lax.square(mean))
+  rstd = jax.lax.rsqrt(var + eps)
+  centred = x - mean
+  y = centred * (rstd * scale) + bias
+  return y.astype(jnp.result_type(x, scale, bias)), centred * rstd, rstd
+
+
+@layer_norm.defjvp
+def _layer_norm_jvp(eps, primals, tangents):
+  (x, scale, bias), (dx, dscale, dbias) = primals, tangents
+  y, x_hat, rstd = _layer_norm_parts(x, scale, bias, eps)
+  # d x_hat = rstd * (dx - mean(dx) - x_hat * mean(dx * x_hat)): linear in dx given x_hat, rstd.
+  dx_hat = rstd * (dx - jnp.mean(dx, axis=-1, keepdims=True)
+                   - x_hat * jnp.mean(dx * x_hat, axis=-1, keepdims=True))
+  return y, (dx_hat * scale + x_hat * dscale + dbias).astype(y.dtype)
+
+
+class LayerNorm(nn.Module):
+  """``flax.linen.LayerNorm`` over the last axis (same ``scale``/``bias`` parameters and values).
+
+  Its derivative keeps one ``[.., D]`` array rather than four (:func:`layer_norm`).
+
+  Attributes:
+    epsilon: added to the variance.
+  """
+  epsilon: float = 1e-6
+
+  @nn.compact
+  def __call__(self, x):
+    d = x.shape[-1]
+    scale = self.param('scale', nn.initializers.ones, (d,), jnp.float32)
+    bias = self.param('bias', nn.initializers.zeros, (d,), jnp.float32)
+    return layer_norm(x, scale, bias, self.epsilon)
 
 
 def _threefry2x32(k1, k2, x1, x2):
@@ -156,17 +211,96 @@ def dropout(x, rate: float, *, deterministic: bool, rng):
 def attention(q, k, v, *, causal: bool, dropout_rate: float, deterministic: bool, rng):
   """Softmax attention of [B, T, H, Dh] heads; returns the context tagged ``context``.
 
-  The [B, H, T, T] scores and probabilities are created here untagged: the
-  per-layer rules decide whether they are kept (``dots``) or recomputed.
+  Values are those of ``dropout(softmax(q k^T / sqrt(Dh))) v`` (the same
+  softmax and dropout masks as ``jax.nn.softmax`` and :func:`dropout`). The
+  gradient is written out (:func:`_attention`): the backward pass keeps ``q``,
+  ``k``, ``v`` and two numbers per query row, and recomputes the [B, H, T, T]
+  probabilities (one ``q k^T`` matmul) instead of keeping them, as PyTorch's
+  fused attention does. No policy saves the scores (:func:`_scores`).
+
+  Args:
+    q, k, v: [B, T, H, Dh].
+    causal: mask out keys after the query.
+    dropout_rate: attention-probability dropout.
+    deterministic: no dropout.
+    rng: dropout key (a raw uint32 key); unused when deterministic or the rate is 0.
+  """
+  rate = 0.0 if deterministic else float(dropout_rate)
+  if rate > 0.0 and rng is None:
+    raise ValueError('attention dropout in training mode needs a key (rng)')
+  key = rng if rate > 0.0 else jnp.zeros((2,), jnp.uint32)
+  return checkpoint_name(_attention(q, k, v, key, causal, rate), 'context')
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _scores(q, k, causal: bool):
+  """Scaled (and causally masked) scores [B, H, T, T], their row max and row sums of exp(scores - max).
+
+  Only ever called inside :func:`_attention`'s rules, never differentiated: the
+  rule below declares the outputs constant, like the ``stop_gradient`` on the
+  max in ``jax.nn.softmax``. It is a ``custom_jvp`` so that remat policies see
+  one call instead of its ``dot_general``: ``dots`` then saves ``q``, ``k``,
+  ``v`` and the context as PyTorch's selective checkpointing of fused
+  attention does, not the [B, H, T, T] scores, which ``none`` does not keep
+  either.
   """
   scores = jnp.einsum('bqhd,bkhd->bhqk', q, k) / math.sqrt(q.shape[-1])
   if causal:
     t = q.shape[1]
     scores = jnp.where(jnp.tril(jnp.ones((t, t), dtype=bool)), scores,
                        jnp.finfo(scores.dtype).min)
-  probs = softmax(scores, axis=-1)
-  probs = dropout(probs, dropout_rate, deterministic=deterministic, rng=rng)
-  return checkpoint_name(jnp.einsum('bhqk,bkhd->bqhd', probs, v), 'context')
+  row_max = jnp.max(scores, axis=-1, keepdims=True)
+  return scores, row_max, jnp.sum(jnp.exp(scores - row_max), axis=-1, keepdims=True)
+
+
+@_scores.defjvp
+def _scores_jvp(causal, primals, tangents):
+  out = _scores(*primals, causal)
+  return out, tuple(jnp.zeros_like(o) for o in out)
+
+
+def _probs(scores, row_max, row_sum):
+  """``jax.nn.softmax(scores)``, bit for bit (the same operations), from the row statistics."""
+  return jnp.exp(scores - row_max) / row_sum
+
+
+def _dropped(probs, key, rate):
+  """Dropout of the probabilities (``rate`` static) and the mask, or (probs, None)."""
+  if rate == 0.0:
+    return probs, None
+  mask = bernoulli(key, 1.0 - rate, probs.shape)
+  return jax.lax.select(mask, probs / (1.0 - rate), jnp.zeros_like(probs)), mask
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attention(q, k, v, key, causal: bool, rate: float):
+  return _attention_fwd(q, k, v, key, causal, rate)[0]
+
+
+def _attention_fwd(q, k, v, key, causal, rate):
+  scores, row_max, row_sum = _scores(q, k, causal)
+  ctx = jnp.einsum('bhqk,bkhd->bqhd', _dropped(_probs(scores, row_max, row_sum), key, rate)[0], v)
+  return ctx, (q, k, v, key, row_max, row_sum)
+
+
+def _attention_bwd(causal, rate, res, g):
+  q, k, v, key, row_max, row_sum = res
+  scores, _, _ = _scores(q, k, causal)
+  probs = _probs(scores, row_max, row_sum)    # the forward pass's probabilities
+  dropped, mask = _dropped(probs, key, rate)
+  dv = jnp.einsum('bhqk,bqhd->bkhd', dropped, g)
+  d_probs = jnp.einsum('bqhd,bkhd->bhqk', g, v)
+  if mask is not None:
+    d_probs = jax.lax.select(mask, d_probs / (1.0 - rate), jnp.zeros_like(d_probs))
+  # Softmax derivative; masked (causal) entries have probs 0, so no gradient.
+  d_scores = probs * (d_probs - jnp.sum(probs * d_probs, axis=-1, keepdims=True))
+  d_scores = d_scores / math.sqrt(q.shape[-1])
+  dq = jnp.einsum('bhqk,bkhd->bqhd', d_scores, k)
+  dk = jnp.einsum('bhqk,bqhd->bkhd', d_scores, q)
+  return dq, dk, dv, np.zeros(key.shape, jax.dtypes.float0)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 # Bytes of float32 logits one chunk of the chunked cross-entropy may hold when

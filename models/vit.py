@@ -30,7 +30,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from models.layers import TRANSFORMER_TAGS, attention, dropout_keys
+from models.layers import TRANSFORMER_TAGS, LayerNorm, attention, dropout_keys, gelu_exact
 from remat.policies import Policy, get_policy
 from remat.stack import LayerStack
 
@@ -124,11 +124,11 @@ class Block(nn.Module):
   def __call__(self, x, rng):
     cfg = self.config
     attn_key, mlp_key = dropout_keys(rng, 2)
-    h = nn.LayerNorm(cfg.layer_norm_eps, name='layernorm_before')(x)
+    h = LayerNorm(cfg.layer_norm_eps, name='layernorm_before')(x)
     x = x + Attention(cfg, self.deterministic, name='attention')(h, attn_key)
-    h = nn.LayerNorm(cfg.layer_norm_eps, name='layernorm_after')(x)
+    h = LayerNorm(cfg.layer_norm_eps, name='layernorm_after')(x)
     h = checkpoint_name(_dense(cfg.mlp_dim, 'intermediate')(h), 'mlpwi')
-    h = checkpoint_name(_dense(cfg.d_model, 'output')(nn.gelu(h, approximate=False)), 'mlpwo')
+    h = checkpoint_name(_dense(cfg.d_model, 'output')(gelu_exact(h)), 'mlpwo')
     return x + nn.Dropout(cfg.dropout)(h, self.deterministic, rng=mlp_key), None
 
 
@@ -172,6 +172,6 @@ class ViT(nn.Module):
     x = LayerStack(Block, cfg.num_layers, policy,
                    block_kwargs={'config': cfg, 'deterministic': deterministic},
                    name='encoder')(x, deterministic=deterministic)
-    x = nn.LayerNorm(cfg.layer_norm_eps, name='layernorm')(x)
+    x = LayerNorm(cfg.layer_norm_eps, name='layernorm')(x)
     return nn.Dense(cfg.num_classes, kernel_init=nn.initializers.truncated_normal(0.02),
                     name='classifier')(x[:, 0])
