@@ -66,12 +66,14 @@ def test_layer_norm_matches_flax(eps):
 
 
 def _plain_attention(q, k, v, causal, rate, rng):
-  scores = jnp.einsum('bqhd,bkhd->bhqk', q, k) / math.sqrt(q.shape[-1])
+  # Heads-first matmuls, as ours (the summation order, and so the bits, follow the layout).
+  q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+  scores = jnp.einsum('bhqd,bhkd->bhqk', q, k) / math.sqrt(q.shape[-1])
   if causal:
-    t = q.shape[1]
+    t = q.shape[2]
     scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, jnp.finfo(scores.dtype).min)
   probs = dropout(jax.nn.softmax(scores, axis=-1), rate, deterministic=rate == 0.0, rng=rng)
-  return jnp.einsum('bhqk,bkhd->bqhd', probs, v)
+  return jnp.einsum('bhqk,bhkd->bhqd', probs, v).transpose(0, 2, 1, 3)
 
 
 @pytest.mark.parametrize('causal', [False, True])
@@ -86,7 +88,7 @@ def test_attention_matches_autodiff(causal, rate):
   loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * w)
   _close(jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2)))(q, k, v),
          jax.grad(loss(plain), argnums=(0, 1, 2))(q, k, v))
-  # Nothing of the [B, H, T, T] probabilities is kept: q, k, v and per-row numbers.
+  # Nothing of the [B, H, T, T] probabilities is kept: q, k and v alone.
   # q, k, v depend on the differentiated weights, as in a model.
   wq = lambda f: lambda a, q, k, v: jnp.sum(f(q * a, k * a, v * a) * w)
   kept = lambda f: [r.shape for r in saved_residuals(wq(f), jnp.float32(1.5), q, k, v)]
