@@ -36,7 +36,8 @@ def header(result: dict) -> str:
   return (f"# train step, {env['model']} {env['config']}, batch {env['batch_size']} x {dims}, "
           f"float32, CPU, one process; jax {env['jax']} ({env['backend']} backend), "
           f"torch {env['torch']} ({env['torch_threads']} threads), "
-          f"transformers {env['transformers']}; median of {env['steps']} steps")
+          f"transformers {env['transformers']}; host malloc {env['host_malloc']}; "
+          f"median of {env['steps']} steps")
 
 
 _COLS = (f"{'family':<11}{'side':<9}{'policy':<12}{'peak':>12}{'activation':>12}{'FLOPs':>11}"
@@ -79,6 +80,11 @@ def footer(result: dict) -> list[str]:
       f'{JAX_WARMUP_STEPS} warm-up steps (measure(..., run=True)). PyTorch: eager steps after its '
       'warm-up, memory and FLOP steps. peak J/T, time J/T: JAX / PyTorch of the same family.',
   ]
+  lines.append(
+      f"# host malloc: {env['host_malloc']} for both sides. XLA CPU allocates the step's temp "
+      'buffer afresh every step and the kernel zero-fills each new page on first touch; '
+      'GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (set before python starts) puts large blocks on '
+      'transparent huge pages, which makes those faults rare (README, Faster CPU steps).')
   opt = result['optimizer']
   j, t = opt['jax'], opt['torch']
   same = (f"AdamW b1 {t['b1']}, b2 {t['b2']}, eps {t['eps']:g}, weight decay "

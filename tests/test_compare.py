@@ -77,7 +77,22 @@ def test_gpt2_both_sides_per_family(tmp_path, capsys):
     assert any(l.split()[:2] == ['PyTorch', family] for l in lines)
   assert any(l.startswith('# peak:') and 'allocator' in l for l in lines)
   assert any(l.startswith('# optimizer:') for l in lines)
+  assert env['host_malloc'] == compare.host_malloc()
+  assert f"host malloc {env['host_malloc']}" in lines[0]
+  assert any(l.startswith(f"# host malloc: {env['host_malloc']} for both sides") for l in lines)
   assert png.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize('tunables,expected', [
+    (None, 'default'),
+    ('glibc.malloc.hugetlb=1', 'glibc hugetlb=1'),
+    ('glibc.malloc.arena_max=1:glibc.malloc.hugetlb=2', 'glibc hugetlb=2'),
+    ('glibc.malloc.hugetlb=0', 'default'),
+    ('glibc.malloc.hugetlb_x=1', 'default'),
+])
+def test_host_malloc_reads_glibc_tunables(tunables, expected):
+  environ = {} if tunables is None else {'GLIBC_TUNABLES': tunables}
+  assert compare.host_malloc(environ) == expected
 
 
 @pytest.mark.parametrize('argv,families,skipped', [
