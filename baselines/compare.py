@@ -92,7 +92,7 @@ FAMILY_POLICY = {
     'none': 'none',        # no checkpointing: every activation kept on both sides
     'hf': 'full',          # HF gradient checkpointing: per block, block input saved, block recomputed
     'block': 'full',       # torch.utils.checkpoint around every block: as hf
-    'sqrt': 'sqrt',        # checkpoint_sequential in ~sqrt(N) segments vs JAX round(sqrt(N)) segments
+    'sqrt': 'sqrt',        # checkpoint_sequential in round(sqrt(N)) segments vs JAX ~sqrt(N)-layer segments
     'selective': 'dots',   # SAC saving matmul/conv outputs vs jax dots_saveable
 }
 FAMILIES = tuple(FAMILY_POLICY)

@@ -62,3 +62,21 @@ def test_memory_line_names_policy_backend_and_offload_noop():
   assert 'XLA cpu' in line and 'with sqrt' in line and '(25%)' in line
   assert 'no-op' in memory_line(get_policy('qkv_proj_offloaded'), mem, base)
   assert 'no-op' not in line
+
+
+def _grad_temp(num_layers: int, spec: str) -> int:
+  import dataclasses
+
+  from configs import load_config
+  from remat.measure import grad_memory
+  from remat.targets import get_target
+  cfg = dataclasses.replace(load_config('tiny').model, num_layers=num_layers)
+  return grad_memory(cfg, spec, 8, 128, get_target('cpu')).temp
+
+
+def test_a_remainder_segment_costs_more_than_a_layer():
+  # seg:3 on 8 layers leaves a remainder of 2: its sliced-off variables make XLA
+  # concatenate the stack's gradient (a copy), more than a ninth layer costs.
+  assert _grad_temp(9, 'seg:3') < _grad_temp(8, 'seg:3')
+  # So sqrt takes a divisor near sqrt(8) = 2.83 (K = 2) instead of round() = 3.
+  assert _grad_temp(8, 'sqrt') == _grad_temp(8, 'seg:2') < _grad_temp(8, 'seg:3')

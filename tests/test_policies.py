@@ -72,7 +72,10 @@ def test_segment_sizes_are_capped_per_stack():
     get_policy('seg:4', num_layers=3)  # but the model's deepest stack must fit K
 
 
-@pytest.mark.parametrize('n,k', [(1, 1), (2, 1), (3, 2), (5, 2), (7, 3), (12, 3), (13, 4), (48, 7)])
+@pytest.mark.parametrize('n,k', [
+    (1, 1), (2, 1), (3, 2), (5, 2), (7, 3), (13, 4),     # no divisor near sqrt(N): round(sqrt(N))
+    (4, 2), (8, 2), (12, 3), (16, 4), (24, 4), (32, 4), (36, 6), (48, 6), (64, 8),  # divisors
+])
 def test_sqrt_segment_size(n, k):
   assert get_policy('sqrt').segment_size(n) == k
 
