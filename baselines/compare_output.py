@@ -84,7 +84,8 @@ def footer(result: dict) -> list[str]:
       f"# host malloc: {env['host_malloc']} for both sides. XLA CPU allocates the step's temp "
       'buffer afresh every step and the kernel zero-fills each new page on first touch; '
       'GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (set before python starts) puts large blocks on '
-      'transparent huge pages, which makes those faults rare (README, Faster CPU steps).')
+      'transparent huge pages, which makes those faults rare '
+      '(README: Faster steps on a Linux CPU).')
   opt = result['optimizer']
   j, t = opt['jax'], opt['torch']
   same = (f"AdamW b1 {t['b1']}, b2 {t['b2']}, eps {t['eps']:g}, weight decay "
