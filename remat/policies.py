@@ -102,14 +102,15 @@ _SQRT_DIVISOR_FACTOR = 1.5
 
 
 def sqrt_segment_size(num_layers: int) -> int:
-  """K for ``sqrt``: the divisor of N nearest sqrt(N) (the smaller on a tie) if one
-  lies within a factor 1.5 of it, else round(sqrt(N)).
+  """K for ``sqrt``: a divisor of N near sqrt(N) if there is one, else round(sqrt(N)).
 
-  A remainder segment is not free: its layers' variables are sliced off the
-  stack, so XLA assembles the stack's gradient by concatenation, a copy the size
-  of the stack's parameters (GPT-2 medium, 24 layers, batch 2 x 512, CPU plan:
-  temp 3349 MiB with K = 5 and a remainder of 4, 2234 MiB with K = 4). Only
-  when no divisor is near (N prime, say) does ``sqrt`` take a remainder.
+  The divisor nearest sqrt(N) (the smaller on a tie) is taken if it lies
+  within a factor 1.5 of sqrt(N). A remainder segment is not free: its
+  layers' variables are sliced off the stack, so XLA assembles the stack's
+  gradient by concatenation, a copy the size of the stack's parameters (GPT-2
+  medium, 24 layers, batch 2 x 512, CPU plan: temp 3349 MiB with K = 5 and a
+  remainder of 4, 2234 MiB with K = 4). Only when no divisor is near (N prime,
+  say) does ``sqrt`` take a remainder.
   """
   root = math.sqrt(num_layers)
   near = [k for k in range(1, num_layers + 1) if num_layers % k == 0
