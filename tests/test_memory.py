@@ -1,9 +1,14 @@
 """Compiled memory of the train step on the CPU backend orders the policies as expected."""
 
+import dataclasses
+
 import pytest
 
+from configs import load_config
 from models.gpt import GPT, GPTConfig
+from remat.measure import grad_memory
 from remat.memory import MemoryStats, compiled_memory, format_bytes
+from remat.targets import get_target
 from training import steps as st
 
 # Wide enough that activations dominate parameter-sized buffers.
@@ -65,11 +70,6 @@ def test_memory_line_names_policy_backend_and_offload_noop():
 
 
 def _grad_temp(num_layers: int, spec: str) -> int:
-  import dataclasses
-
-  from configs import load_config
-  from remat.measure import grad_memory
-  from remat.targets import get_target
   cfg = dataclasses.replace(load_config('tiny').model, num_layers=num_layers)
   return grad_memory(cfg, spec, 8, 128, get_target('cpu')).temp
 
