@@ -121,8 +121,8 @@ class _Parser(argparse.ArgumentParser):
     raise CompareError(message)
 
 
-def build_parser() -> argparse.ArgumentParser:
-  p = _Parser(prog=f'python -m {PROG}', description=__doc__.splitlines()[0])
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+  """The flags that pick the model, shapes and families (what :func:`resolve` checks)."""
   p.add_argument('--model', required=True, help=f"model: {', '.join(MODELS)}")
   p.add_argument('--config', default=None,
                  help='named config (configs/*.json) of that model; default: '
@@ -136,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--families', default=None,
                  help=f"policy families, comma-separated, from {', '.join(FAMILIES)} "
                       '(default: all the model supports)')
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = _Parser(prog=f'python -m {PROG}', description=__doc__.splitlines()[0])
+  add_model_arguments(p)
   p.add_argument('--steps', type=int, default=3, help='timed steps per row (median)')
   p.add_argument('--json', metavar='FILE', help='write every figure of both sides and the environment')
   p.add_argument('--plot', metavar='FILE',
@@ -324,9 +329,9 @@ def host_malloc(environ=None) -> str:
 
   XLA CPU allocates a step's whole ``temp`` buffer afresh every step, and glibc
   maps a block that large with ``mmap``, so the kernel zero-fills every 4 KiB
-  page on first touch, each step (ViT-B/16, batch 8: 349k page faults, 0.4 s of
-  a 6.3 s step). ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (glibc >= 2.35, read
-  at process start) asks for transparent huge pages on those blocks instead.
+  page on first touch, each step. ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``
+  (glibc >= 2.35, read at process start) asks for transparent huge pages on
+  those blocks instead (README: Faster steps on a Linux CPU).
 
   Returns:
     'glibc hugetlb=N' when the tunable is set (N in 1, 2), else 'default'.

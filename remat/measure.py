@@ -63,6 +63,26 @@ def time_step(compiled, state, batch, steps: int = 5, warmup: int = 2) -> float:
   return statistics.median(times)
 
 
+def _real_inputs(model, tx, batch, size: int):
+  """The initial train state and a zero batch of ``batch``'s shapes, allocated."""
+  from training import steps as st
+  zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), batch)
+  return st.init_state(model, tx, 0, size), zeros
+
+
+def local_step(model_cfg, spec: str | Policy, batch_size: int, size: int):
+  """The train step compiled for the local backend, with inputs to run it on.
+
+  Returns:
+    ``(compiled, state, batch)``: call ``compiled(state, batch) -> (state, loss)``
+    (the state is donated, so pass the returned one to the next call).
+  """
+  from training import steps as st
+  _, model, tx, state, batch, _, _ = _step(model_cfg, spec, batch_size, size)
+  compiled = st.compile_train_step(model, tx, 0, state, batch)
+  return (compiled, *_real_inputs(model, tx, batch, size))
+
+
 def step_memory(model_cfg, spec: str | Policy, batch_size: int, size: int,
                 target: Target) -> MemoryStats:
   """Compiled memory of the train step alone (no FLOP or residual walk)."""
@@ -116,9 +136,7 @@ def measure(model_cfg, spec: str | Policy, batch_size: int, size: int, target: T
     if target.sharding is not None:
       raise ValueError(f'--time runs the step, which needs an attached {target.name}; '
                        'time on the local backend (--target cpu) instead')
-    real_state = st.init_state(model, tx, 0, size)
-    zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), batch)
-    seconds = time_step(compiled, real_state, zeros, time_steps)
+    seconds = time_step(compiled, *_real_inputs(model, tx, batch, size), time_steps)
   return Measurement(policy.spec, compiled_memory(compiled, target.name),
                      count_flops(step, state, batch),
                      tuple(saved_residuals(loss, state.params, (state.model_state, batch))),
