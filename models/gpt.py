@@ -31,7 +31,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from models.layers import TRANSFORMER_TAGS, LayerNorm, attention, dropout, dropout_keys, gelu_tanh
+from models.layers import (TRANSFORMER_TAGS, GeluDense, LayerNorm, NormDense, Normalized, attention,
+                           dropout, dropout_keys)
 from remat.policies import Policy, get_policy
 from remat.stack import LayerStack
 
@@ -88,18 +89,19 @@ def _dense(features: int, name: str, std: float = 0.02) -> nn.Dense:
 
 
 class Attention(nn.Module):
-  """Causal multi-head self-attention."""
+  """Causal multi-head self-attention; reads ``ln_1`` in parts (:class:`~models.layers.Normalized`)."""
   config: GPTConfig
   deterministic: bool
 
   @nn.compact
-  def __call__(self, x, rng):
+  def __call__(self, x: Normalized, rng):
     cfg = self.config
-    b, t, _ = x.shape
+    b, t, _ = x.x_hat.shape
     split = lambda y: y.reshape(b, t, cfg.num_heads, cfg.head_dim)
-    q = checkpoint_name(split(_dense(cfg.d_model, 'query')(x)), 'query_proj')
-    k = checkpoint_name(split(_dense(cfg.d_model, 'key')(x)), 'key_proj')
-    v = checkpoint_name(split(_dense(cfg.d_model, 'value')(x)), 'value_proj')
+    proj = lambda name: split(NormDense(cfg.d_model, nn.initializers.normal(0.02), name=name)(x))
+    q = checkpoint_name(proj('query'), 'query_proj')
+    k = checkpoint_name(proj('key'), 'key_proj')
+    v = checkpoint_name(proj('value'), 'value_proj')
     attn_key, resid_key = dropout_keys(rng, 2)
     ctx = attention(q, k, v, causal=True, dropout_rate=cfg.dropout,
                     deterministic=self.deterministic, rng=attn_key)
@@ -110,16 +112,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-  """Two-layer tanh-GELU MLP of width 4 * d_model."""
+  """Two-layer tanh-GELU MLP of width 4 * d_model; reads ``ln_2`` in parts."""
   config: GPTConfig
   deterministic: bool
 
   @nn.compact
-  def __call__(self, x, rng):
+  def __call__(self, x: Normalized, rng):
     cfg = self.config
-    h = checkpoint_name(_dense(4 * cfg.d_model, 'c_fc')(x), 'mlpwi')
-    h = gelu_tanh(h)
-    out = _dense(cfg.d_model, 'c_proj', 0.02 / math.sqrt(2 * cfg.num_layers))(h)
+    h = NormDense(4 * cfg.d_model, nn.initializers.normal(0.02), name='c_fc')(x)
+    h = checkpoint_name(h, 'mlpwi')
+    out = GeluDense(cfg.d_model, True, nn.initializers.normal(0.02 / math.sqrt(2 * cfg.num_layers)),
+                    name='c_proj')(h)
     out = checkpoint_name(out, 'mlpwo')
     return dropout(out, cfg.dropout, deterministic=self.deterministic, rng=rng)
 
@@ -133,9 +136,9 @@ class Block(nn.Module):
   def __call__(self, x, rng):
     cfg = self.config
     attn_key, mlp_key = dropout_keys(rng, 2)
-    h = LayerNorm(cfg.layer_norm_eps, name='ln_1')(x)
+    h = LayerNorm(cfg.layer_norm_eps, parts=True, name='ln_1')(x)
     x = x + Attention(cfg, self.deterministic, name='attn')(h, attn_key)
-    h = LayerNorm(cfg.layer_norm_eps, name='ln_2')(x)
+    h = LayerNorm(cfg.layer_norm_eps, parts=True, name='ln_2')(x)
     x = x + MLP(cfg, self.deterministic, name='mlp')(h, mlp_key)
     return x, None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Callable, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -29,45 +30,82 @@ def dropout_keys(rng, n: int):
   return (None,) * n if rng is None else tuple(jax.random.fold_in(rng, i) for i in range(n))
 
 
-@jax.custom_jvp
-def gelu_tanh(x):
-  """``jax.nn.gelu(x, approximate=True)`` (GPT-2's ``gelu_new``), with a derivative that keeps one array.
+def gelu_slope(x, approximate: bool):
+  """The derivative ``gelu'(x)`` as one elementwise formula (tanh or exact erf GELU).
 
-  Same values; the derivative ``gelu'(x)`` is formed in the forward pass, so a
-  layer that stores its activations (no remat) keeps that one array for the
-  backward pass instead of the four intermediates of the tanh formula
-  (``x**3``, ``tanh``, ``1 - tanh**2``, ...). Under remat it is recomputed
-  like any elementwise op.
+  Differentiating ``jax.nn.gelu`` instead would keep up to four ``[.., F]``
+  intermediates of its formula (``x**3``, ``tanh``, ``erfc``, ``exp``, ...).
   """
-  return jax.nn.gelu(x, approximate=True)
-
-
-@gelu_tanh.defjvp
-def _gelu_tanh_jvp(primals, tangents):
-  (x,), (dx,) = primals, tangents
-  c = math.sqrt(2 / math.pi)
-  t = jnp.tanh(c * (x + 0.044715 * x ** 3))
-  slope = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x)
-  return jax.nn.gelu(x, approximate=True), slope * dx
-
-
-@jax.custom_jvp
-def gelu_exact(x):
-  """``jax.nn.gelu(x, approximate=False)`` (ViT's erf GELU), with a derivative that keeps one array.
-
-  Same values; the derivative ``Phi(x) + x * phi(x)`` is formed in the forward
-  pass, so without remat the backward pass keeps it alone instead of the four
-  ``[.., F]`` intermediates JAX's erfc derivative keeps (``exp``, ``erfc``, ...).
-  """
-  return jax.nn.gelu(x, approximate=False)
-
-
-@gelu_exact.defjvp
-def _gelu_exact_jvp(primals, tangents):
-  (x,), (dx,) = primals, tangents
+  if approximate:
+    c = math.sqrt(2 / math.pi)
+    t = jnp.tanh(c * (x + 0.044715 * x ** 3))
+    return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x)
   cdf = 0.5 * jax.lax.erfc(-x * np.sqrt(0.5).astype(x.dtype))
   pdf = jnp.exp(-0.5 * x * x) * np.float32(1 / math.sqrt(2 * math.pi)).astype(x.dtype)
-  return jax.nn.gelu(x, approximate=False), (cdf + x * pdf) * dx
+  return cdf + x * pdf
+
+
+def _dense_apply(x, kernel, bias):
+  """``nn.Dense``'s computation: contract the last axis of ``x`` with ``kernel``, add ``bias``."""
+  y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+  return y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def gelu_dense(h, kernel, bias, approximate: bool):
+  """``nn.Dense`` applied to ``jax.nn.gelu(h)``, keeping only ``h`` for the backward pass.
+
+  Same values as the two ops. Differentiated as written, the backward pass
+  would keep ``gelu(h)`` (the matmul's input, for its weight gradient) and
+  the slope ``gelu'(h)``, two ``[.., F]`` arrays, while PyTorch keeps ``h``
+  and ``gelu(h)``. This rule keeps ``h`` alone: its tangent is a
+  ``jax.checkpoint`` that recomputes ``gelu(h)`` and the slope from ``h``,
+  elementwise, in the backward pass; no matmul is recomputed. The forward
+  matmul stays a plain ``dot_general``, so ``dots`` policies still see (and
+  may save) its output.
+  """
+  return _dense_apply(jax.nn.gelu(h, approximate=approximate), kernel, bias)
+
+
+@functools.partial(jax.checkpoint, static_argnums=(4,), prevent_cse=False)
+def _gelu_dense_tangent(h, kernel, dh, d_kernel, approximate):
+  # A checkpoint saves its inputs alone: gelu(h) and the slope are rebuilt from h in the
+  # backward pass. prevent_cse=False: the forward's gelu(h) lives in another loop (or the
+  # same recompute), so XLA's CSE cannot stretch its lifetime.
+  a = jax.nn.gelu(h, approximate=approximate)
+  slope_dh = gelu_slope(h, approximate) * dh
+  return (jax.lax.dot_general(slope_dh, kernel, (((h.ndim - 1,), (0,)), ((), ())))
+          + jax.lax.dot_general(a, d_kernel, (((h.ndim - 1,), (0,)), ((), ()))))
+
+
+@gelu_dense.defjvp
+def _gelu_dense_jvp(approximate, primals, tangents):
+  (h, kernel, bias), (dh, d_kernel, d_bias) = primals, tangents
+  out = _dense_apply(jax.nn.gelu(h, approximate=approximate), kernel, bias)
+  tangent = _gelu_dense_tangent(h, kernel, dh, d_kernel, approximate)
+  return out, tangent + jnp.reshape(d_bias, (1,) * (out.ndim - 1) + (-1,))
+
+
+class GeluDense(nn.Module):
+  """``nn.Dense(features)(jax.nn.gelu(x))``: the same ``kernel``/``bias`` and values, leaner derivative.
+
+  The backward pass keeps the input ``x`` alone (:func:`gelu_dense`).
+
+  Attributes:
+    features: output width.
+    approximate: tanh GELU (GPT-2's ``gelu_new``) or exact erf GELU (ViT's).
+    kernel_init: as ``nn.Dense``'s.
+  """
+  features: int
+  approximate: bool
+  kernel_init: Callable = nn.linear.default_kernel_init
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param('kernel', self.kernel_init, (x.shape[-1], self.features), jnp.float32)
+    bias = self.param('bias', nn.initializers.zeros_init(), (self.features,), jnp.float32)
+    x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias)
+    return gelu_dense(x, kernel, bias, self.approximate)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
@@ -95,31 +133,115 @@ def _layer_norm_parts(x, scale, bias, eps):
   return y.astype(jnp.result_type(x, scale, bias)), centred * rstd, rstd
 
 
+def _x_hat_tangent(x_hat, rstd, dx):
+  # d x_hat = rstd * (dx - mean(dx) - x_hat * mean(dx * x_hat)): linear in dx given x_hat, rstd.
+  return rstd * (dx - jnp.mean(dx, axis=-1, keepdims=True)
+                 - x_hat * jnp.mean(dx * x_hat, axis=-1, keepdims=True))
+
+
 @layer_norm.defjvp
 def _layer_norm_jvp(eps, primals, tangents):
   (x, scale, bias), (dx, dscale, dbias) = primals, tangents
   y, x_hat, rstd = _layer_norm_parts(x, scale, bias, eps)
-  # d x_hat = rstd * (dx - mean(dx) - x_hat * mean(dx * x_hat)): linear in dx given x_hat, rstd.
-  dx_hat = rstd * (dx - jnp.mean(dx, axis=-1, keepdims=True)
-                   - x_hat * jnp.mean(dx * x_hat, axis=-1, keepdims=True))
+  dx_hat = _x_hat_tangent(x_hat, rstd, dx)
   return y, (dx_hat * scale + x_hat * dscale + dbias).astype(y.dtype)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def normalize(x, eps: float):
+  """LayerNorm's ``x_hat = (x - mean) / sqrt(var + eps)`` over the last axis; its derivative keeps x_hat and 1/std."""
+  return _layer_norm_parts(x, 1.0, 0.0, eps)[1].astype(x.dtype)
+
+
+@normalize.defjvp
+def _normalize_jvp(eps, primals, tangents):
+  (x,), (dx,) = primals, tangents
+  _, x_hat, rstd = _layer_norm_parts(x, 1.0, 0.0, eps)
+  return x_hat.astype(x.dtype), _x_hat_tangent(x_hat, rstd, dx).astype(x.dtype)
+
+
+class Normalized(NamedTuple):
+  """A LayerNorm output ``x_hat * scale + bias`` in its parts, the input of :class:`NormDense`."""
+  x_hat: jax.Array
+  scale: jax.Array
+  bias: jax.Array
+
+  def value(self) -> jax.Array:
+    """The LayerNorm output itself."""
+    return self.x_hat * self.scale + self.bias
+
+
+@jax.custom_jvp
+def norm_dense(x_hat, scale, bias, kernel, kernel_bias):
+  """``nn.Dense`` applied to a LayerNorm output ``x_hat * scale + bias``, keeping only ``x_hat``.
+
+  Same values as the two ops (the output is ``x_hat * scale + bias`` with
+  ``x_hat`` as :func:`normalize` computes it). Differentiated as written, the
+  backward pass would keep the LayerNorm output (the matmul's input, for its
+  weight gradient) besides ``x_hat`` (for LayerNorm's own derivative), two
+  ``[.., D]`` arrays, as PyTorch keeps LayerNorm's input and the Linear's. The
+  tangent here is written with ``x_hat`` alone (``(x_hat * scale + bias) dW =
+  x_hat (scale dW) + bias dW``), so that is all the backward pass keeps, and
+  matmuls reading one LayerNorm share it. The forward matmul stays a plain
+  ``dot_general``, so ``dots`` policies still see (and may save) its output.
+  """
+  return _dense_apply(x_hat * scale + bias, kernel, kernel_bias)
+
+
+@norm_dense.defjvp
+def _norm_dense_jvp(primals, tangents):
+  (x_hat, scale, bias, kernel, kernel_bias) = primals
+  (dx_hat, d_scale, d_bias, d_kernel, d_kernel_bias) = tangents
+  out = _dense_apply(x_hat * scale + bias, kernel, kernel_bias)
+  last = (((x_hat.ndim - 1,), (0,)), ((), ()))
+  tangent = (_dense_apply(dx_hat * scale + x_hat * d_scale + d_bias, kernel, d_kernel_bias)
+             + jax.lax.dot_general(x_hat, scale[:, None] * d_kernel, last)
+             + jnp.dot(bias, d_kernel))
+  return out, tangent
+
+
+class NormDense(nn.Module):
+  """``nn.Dense(features)`` of a :class:`Normalized` LayerNorm output; same parameters and values.
+
+  The backward pass keeps ``x_hat`` alone (:func:`norm_dense`).
+
+  Attributes:
+    features: output width.
+    kernel_init: as ``nn.Dense``'s.
+  """
+  features: int
+  kernel_init: Callable = nn.linear.default_kernel_init
+
+  @nn.compact
+  def __call__(self, x: Normalized):
+    kernel = self.param('kernel', self.kernel_init, (x.x_hat.shape[-1], self.features),
+                        jnp.float32)
+    bias = self.param('bias', nn.initializers.zeros_init(), (self.features,), jnp.float32)
+    return norm_dense(*nn.dtypes.promote_dtype(*x, kernel, bias))
 
 
 class LayerNorm(nn.Module):
   """``flax.linen.LayerNorm`` over the last axis (same ``scale``/``bias`` parameters and values).
 
   Its derivative keeps one ``[.., D]`` array rather than four (:func:`layer_norm`).
+  With ``parts=True`` it returns the output in its parts (:class:`Normalized`)
+  for the :class:`NormDense` layers that read it, which then keep that one
+  array alone instead of also the output itself.
 
   Attributes:
     epsilon: added to the variance.
+    parts: return a :class:`Normalized` instead of the output.
   """
   epsilon: float = 1e-6
+  parts: bool = False
 
   @nn.compact
   def __call__(self, x):
     d = x.shape[-1]
     scale = self.param('scale', nn.initializers.ones, (d,), jnp.float32)
     bias = self.param('bias', nn.initializers.zeros, (d,), jnp.float32)
+    if self.parts:
+      return Normalized(normalize(x, self.epsilon), scale, bias)
     return layer_norm(x, scale, bias, self.epsilon)
 
 

@@ -30,7 +30,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from models.layers import TRANSFORMER_TAGS, LayerNorm, attention, dropout_keys, gelu_exact
+from models.layers import (TRANSFORMER_TAGS, GeluDense, LayerNorm, NormDense, Normalized, attention,
+                           dropout_keys)
 from remat.policies import Policy, get_policy
 from remat.stack import LayerStack
 
@@ -91,23 +92,30 @@ class ViTConfig:
     return self.num_patches + 1
 
 
+_INIT = nn.initializers.truncated_normal(0.02)
+
+
 def _dense(features: int, name: str) -> nn.Dense:
-  return nn.Dense(features, kernel_init=nn.initializers.truncated_normal(0.02), name=name)
+  return nn.Dense(features, kernel_init=_INIT, name=name)
 
 
 class Attention(nn.Module):
-  """Bidirectional multi-head self-attention with HF ViT's parameter names."""
+  """Bidirectional multi-head self-attention with HF ViT's parameter names.
+
+  Reads the block's first LayerNorm in parts (:class:`~models.layers.Normalized`).
+  """
   config: ViTConfig
   deterministic: bool
 
   @nn.compact
-  def __call__(self, x, rng):
+  def __call__(self, x: Normalized, rng):
     cfg = self.config
-    b, t, _ = x.shape
+    b, t, _ = x.x_hat.shape
     heads = lambda y: y.reshape(b, t, cfg.num_heads, cfg.d_model // cfg.num_heads)
-    q = checkpoint_name(heads(_dense(cfg.d_model, 'query')(x)), 'query_proj')
-    k = checkpoint_name(heads(_dense(cfg.d_model, 'key')(x)), 'key_proj')
-    v = checkpoint_name(heads(_dense(cfg.d_model, 'value')(x)), 'value_proj')
+    proj = lambda name: heads(NormDense(cfg.d_model, _INIT, name=name)(x))
+    q = checkpoint_name(proj('query'), 'query_proj')
+    k = checkpoint_name(proj('key'), 'key_proj')
+    v = checkpoint_name(proj('value'), 'value_proj')
     attn_key, out_key = dropout_keys(rng, 2)
     ctx = attention(q, k, v, causal=False, dropout_rate=cfg.attention_dropout,
                     deterministic=self.deterministic, rng=attn_key)
@@ -124,11 +132,11 @@ class Block(nn.Module):
   def __call__(self, x, rng):
     cfg = self.config
     attn_key, mlp_key = dropout_keys(rng, 2)
-    h = LayerNorm(cfg.layer_norm_eps, name='layernorm_before')(x)
+    h = LayerNorm(cfg.layer_norm_eps, parts=True, name='layernorm_before')(x)
     x = x + Attention(cfg, self.deterministic, name='attention')(h, attn_key)
-    h = LayerNorm(cfg.layer_norm_eps, name='layernorm_after')(x)
-    h = checkpoint_name(_dense(cfg.mlp_dim, 'intermediate')(h), 'mlpwi')
-    h = checkpoint_name(_dense(cfg.d_model, 'output')(gelu_exact(h)), 'mlpwo')
+    h = LayerNorm(cfg.layer_norm_eps, parts=True, name='layernorm_after')(x)
+    h = checkpoint_name(NormDense(cfg.mlp_dim, _INIT, name='intermediate')(h), 'mlpwi')
+    h = checkpoint_name(GeluDense(cfg.d_model, False, _INIT, name='output')(h), 'mlpwo')
     return x + nn.Dropout(cfg.dropout)(h, self.deterministic, rng=mlp_key), None
 
 
@@ -141,12 +149,11 @@ class Embeddings(nn.Module):
     cfg = self.config
     p = cfg.patch_size
     x = nn.Conv(cfg.d_model, (p, p), strides=(p, p), padding='VALID',
-                kernel_init=nn.initializers.truncated_normal(0.02), name='patch')(images)
+                kernel_init=_INIT, name='patch')(images)
     b = x.shape[0]
     x = x.reshape(b, -1, cfg.d_model)
-    init = nn.initializers.truncated_normal(0.02)
-    cls = self.param('cls_token', init, (1, 1, cfg.d_model))
-    pos = self.param('position_embeddings', init, (1, cfg.seq_len, cfg.d_model))
+    cls = self.param('cls_token', _INIT, (1, 1, cfg.d_model))
+    pos = self.param('position_embeddings', _INIT, (1, cfg.seq_len, cfg.d_model))
     x = jnp.concatenate([jnp.broadcast_to(cls, (b, 1, cfg.d_model)), x], axis=1) + pos
     return nn.Dropout(cfg.dropout)(x, deterministic)
 
@@ -173,5 +180,4 @@ class ViT(nn.Module):
                    block_kwargs={'config': cfg, 'deterministic': deterministic},
                    name='encoder')(x, deterministic=deterministic)
     x = LayerNorm(cfg.layer_norm_eps, name='layernorm')(x)
-    return nn.Dense(cfg.num_classes, kernel_init=nn.initializers.truncated_normal(0.02),
-                    name='classifier')(x[:, 0])
+    return _dense(cfg.num_classes, 'classifier')(x[:, 0])

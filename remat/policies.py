@@ -53,8 +53,9 @@ _RULES: dict[str, tuple[str, Callable | None]] = {
     'none': ('no remat: every activation is stored (the baseline)', None),
     'full': ('save nothing inside a layer; recompute the whole layer '
              '(nothing_saveable)', lambda: cp.nothing_saveable),
-    'everything': ('save everything (everything_saveable); a control that '
-                   'should cost what none costs', lambda: cp.everything_saveable),
+    'everything': ('save everything (everything_saveable), also what the '
+                   "models' own derivative rules recompute (gelu(h)); a control "
+                   'for none', lambda: cp.everything_saveable),
     'dots': ('save every matmul output, incl. batched ones such as attention '
              'scores (dots_saveable)', lambda: cp.dots_saveable),
     'dots_no_batch': ('save matmuls without batch dims (weight matmuls), '

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.layers import LayerNorm, attention, dropout, gelu_exact, gelu_tanh
+from models.layers import GeluDense, LayerNorm, NormDense, attention, dropout, gelu_slope
 from remat.residuals import saved_residuals
 
 RNG = np.random.default_rng(0)
@@ -29,18 +29,65 @@ def _close(a, b, rtol=1e-5):
     np.testing.assert_allclose(x, y, rtol=rtol, atol=rtol * float(jnp.max(jnp.abs(y))))
 
 
-@pytest.mark.parametrize('ours, approximate', [(gelu_tanh, True), (gelu_exact, False)])
-def test_gelu_rules(ours, approximate):
+@pytest.mark.parametrize('approximate', [True, False])
+def test_gelu_dense_rule(approximate):
+  # nn.Dense of jax.nn.gelu: same parameters, same values, gradients within rounding, and
+  # only the input h kept for the backward pass (the plain ops keep gelu(h) and more).
+  h = _normal(3, 5, 16, scale=2.0)
+  ours = GeluDense(8, approximate)
+  plain = lambda v, h: nn.Dense(8).apply(v, jax.nn.gelu(h, approximate=approximate))
+  variables = ours.init(jax.random.PRNGKey(0), h)
+  assert (jax.tree_util.tree_map(jnp.shape, variables)
+          == jax.tree_util.tree_map(jnp.shape, nn.Dense(8).init(jax.random.PRNGKey(0), h)))
+  variables = jax.tree_util.tree_map(lambda p: p + _normal(*p.shape), variables)
+  np.testing.assert_array_equal(ours.apply(variables, h), plain(variables, h))
+  loss = lambda f: lambda v, h: jnp.sum(jnp.sin(f(v, h)))
+  _close(jax.grad(loss(ours.apply), argnums=(0, 1))(variables, h),
+         jax.grad(loss(plain), argnums=(0, 1))(variables, h))
+  # A linear loss keeps only what the layer itself needs; h depends on a parameter.
+  linear = lambda f: lambda p, h: jnp.sum(f(p['v'], h * p['a']))
+  params = {'v': variables, 'a': jnp.float32(1.5)}
+  wide = lambda f: [r.shape for r in saved_residuals(linear(f), params, h) if r.shape == h.shape]
+  assert len(wide(ours.apply)) == 1 and len(wide(plain)) >= 2, (wide(ours.apply), wide(plain))
+
+
+@pytest.mark.parametrize('approximate', [True, False])
+def test_gelu_slope(approximate):
   x = jnp.linspace(-6, 6, 257, dtype=jnp.float32)
-  plain = lambda x: jax.nn.gelu(x, approximate=approximate)
-  np.testing.assert_array_equal(ours(x), plain(x))
-  _close(jax.grad(lambda x: jnp.sum(jnp.sin(ours(x))))(x),
-         jax.grad(lambda x: jnp.sum(jnp.sin(plain(x))))(x))
-  # One array for the derivative (the slope), against several for the formula.
-  w = _normal(16, 16)
-  keep = lambda f: [r for r in saved_residuals(lambda w, x: jnp.sum(f(x @ w) @ w), w, x[:16])]
-  assert len(keep(ours)) == 2, keep(ours)          # the slope, and gelu(x) for the second matmul
-  assert len(keep(plain)) > 2
+  _close(gelu_slope(x, approximate),
+         jax.vmap(jax.grad(lambda x: jax.nn.gelu(x, approximate=approximate)))(x))
+
+
+def test_norm_dense_rule():
+  # LayerNorm(parts=True) + NormDense equal nn.LayerNorm + nn.Dense in values and gradients
+  # and keep one [.., D] array (x_hat) where the plain pair keeps several; two matmuls
+  # reading the same LayerNorm share it.
+  x = _normal(3, 5, 16, scale=3.0, shift=1.0)
+
+  class Ours(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      n = LayerNorm(1e-5, parts=True, name='ln')(x)
+      return NormDense(8, name='a')(n) * NormDense(8, name='b')(n)
+
+  class Plain(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      n = nn.LayerNorm(1e-5, name='ln')(x)
+      return nn.Dense(8, name='a')(n) * nn.Dense(8, name='b')(n)
+
+  variables = Ours().init(jax.random.PRNGKey(0), x)
+  assert (jax.tree_util.tree_map(jnp.shape, variables)
+          == jax.tree_util.tree_map(jnp.shape, Plain().init(jax.random.PRNGKey(0), x)))
+  variables = jax.tree_util.tree_map(lambda p: p + _normal(*p.shape, scale=0.1), variables)
+  _close(Ours().apply(variables, x), Plain().apply(variables, x))
+  loss = lambda m: lambda v, x: jnp.sum(jnp.sin(m.apply(v, x)))
+  _close(jax.grad(loss(Ours()), argnums=(0, 1))(variables, x),
+         jax.grad(loss(Plain()), argnums=(0, 1))(variables, x))
+  linear = lambda m: lambda p, x: jnp.sum(m.apply(p['v'], x * p['a']) * p['w'])
+  params = {'v': variables, 'a': jnp.float32(1.5), 'w': jnp.float32(0.5)}
+  wide = lambda m: [r.shape for r in saved_residuals(linear(m), params, x) if r.shape == x.shape]
+  assert len(wide(Ours())) == 1 and len(wide(Plain())) >= 2, (wide(Ours()), wide(Plain()))
 
 
 @pytest.mark.parametrize('eps', [1e-12, 1e-5])

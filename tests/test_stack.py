@@ -29,9 +29,11 @@ def _remat_count(config, spec, params, x):
 
 def test_remat_applied_only_when_asked(small_config, small_params, windows):
   x = windows[:, :-1]
-  assert _remat_count(small_config, 'none', small_params, x) == 0
-  assert _remat_count(small_config, 'full', small_params, x) > 0
-  assert _remat_count(small_config, 'sqrt', small_params, x) > 0
+  # Under `none` the one checkpoint is the GELU rule's inside the scanned block
+  # (models.layers.gelu_dense rebuilds gelu(h) from h); the stack adds none.
+  assert _remat_count(small_config, 'none', small_params, x) == 1
+  assert _remat_count(small_config, 'full', small_params, x) > 1
+  assert _remat_count(small_config, 'sqrt', small_params, x) > 1
 
 
 class _Affine(nn.Module):
