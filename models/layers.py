@@ -45,10 +45,21 @@ def gelu_slope(x, approximate: bool):
   return cdf + x * pdf
 
 
+def _matmul(x, kernel):
+  """``nn.Dense``'s contraction: the last axis of ``x`` with the first of ``kernel``."""
+  return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+
+
 def _dense_apply(x, kernel, bias):
-  """``nn.Dense``'s computation: contract the last axis of ``x`` with ``kernel``, add ``bias``."""
-  y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+  """``nn.Dense``'s computation: ``x @ kernel + bias``."""
+  y = _matmul(x, kernel)
   return y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+
+
+def _dense_params(module: nn.Module, in_features: int, features: int, kernel_init):
+  """``kernel`` and ``bias`` as ``nn.Dense`` creates them (same names, shapes, initialisers)."""
+  kernel = module.param('kernel', kernel_init, (in_features, features), jnp.float32)
+  return kernel, module.param('bias', nn.initializers.zeros_init(), (features,), jnp.float32)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
@@ -74,8 +85,7 @@ def _gelu_dense_tangent(h, kernel, dh, d_kernel, approximate):
   # same recompute), so XLA's CSE cannot stretch its lifetime.
   a = jax.nn.gelu(h, approximate=approximate)
   slope_dh = gelu_slope(h, approximate) * dh
-  return (jax.lax.dot_general(slope_dh, kernel, (((h.ndim - 1,), (0,)), ((), ())))
-          + jax.lax.dot_general(a, d_kernel, (((h.ndim - 1,), (0,)), ((), ()))))
+  return _matmul(slope_dh, kernel) + _matmul(a, d_kernel)
 
 
 @gelu_dense.defjvp
@@ -102,8 +112,7 @@ class GeluDense(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    kernel = self.param('kernel', self.kernel_init, (x.shape[-1], self.features), jnp.float32)
-    bias = self.param('bias', nn.initializers.zeros_init(), (self.features,), jnp.float32)
+    kernel, bias = _dense_params(self, x.shape[-1], self.features, self.kernel_init)
     x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias)
     return gelu_dense(x, kernel, bias, self.approximate)
 
@@ -166,10 +175,6 @@ class Normalized(NamedTuple):
   scale: jax.Array
   bias: jax.Array
 
-  def value(self) -> jax.Array:
-    """The LayerNorm output itself."""
-    return self.x_hat * self.scale + self.bias
-
 
 @jax.custom_jvp
 def norm_dense(x_hat, scale, bias, kernel, kernel_bias):
@@ -193,10 +198,9 @@ def _norm_dense_jvp(primals, tangents):
   (x_hat, scale, bias, kernel, kernel_bias) = primals
   (dx_hat, d_scale, d_bias, d_kernel, d_kernel_bias) = tangents
   out = _dense_apply(x_hat * scale + bias, kernel, kernel_bias)
-  last = (((x_hat.ndim - 1,), (0,)), ((), ()))
   # bias @ dW written elementwise: a [D] x [D, F] product, not a matmul worth counting.
   tangent = (_dense_apply(dx_hat * scale + x_hat * d_scale + d_bias, kernel, d_kernel_bias)
-             + jax.lax.dot_general(x_hat, scale[:, None] * d_kernel, last)
+             + _matmul(x_hat, scale[:, None] * d_kernel)
              + jnp.sum(bias[:, None] * d_kernel, axis=0))
   return out, tangent
 
@@ -215,9 +219,7 @@ class NormDense(nn.Module):
 
   @nn.compact
   def __call__(self, x: Normalized):
-    kernel = self.param('kernel', self.kernel_init, (x.x_hat.shape[-1], self.features),
-                        jnp.float32)
-    bias = self.param('bias', nn.initializers.zeros_init(), (self.features,), jnp.float32)
+    kernel, bias = _dense_params(self, x.x_hat.shape[-1], self.features, self.kernel_init)
     return norm_dense(*nn.dtypes.promote_dtype(*x, kernel, bias))
 
 

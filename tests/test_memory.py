@@ -2,12 +2,15 @@
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from configs import load_config
 from models.gpt import GPT, GPTConfig
 from remat.measure import grad_memory
 from remat.memory import MemoryStats, compiled_memory, format_bytes
+from remat.residuals import saved_residuals
 from remat.targets import get_target
 from training import steps as st
 
@@ -41,11 +44,9 @@ def test_everything_saves_what_none_recomputes(temp):
   # `none` keeps only the MLP input h and rebuilds gelu(h) from it in the backward pass
   # (GeluDense); `everything` overrides that rule and keeps gelu(h) as well: exactly one
   # [B, T, 4D] float32 array per layer more, and at least as much temp.
-  import jax
-  from remat.residuals import saved_residuals
   params = jax.eval_shape(lambda: GPT(CONFIG).init(
-      jax.random.PRNGKey(0), jax.numpy.zeros((1, CONFIG.max_len), jax.numpy.int32))['params'])
-  windows = jax.ShapeDtypeStruct((BATCH, CONFIG.max_len + 1), jax.numpy.int32)
+      jax.random.PRNGKey(0), jnp.zeros((1, CONFIG.max_len), jnp.int32))['params'])
+  windows = jax.ShapeDtypeStruct((BATCH, CONFIG.max_len + 1), jnp.int32)
   kept = lambda spec: sum(r.nbytes for r in saved_residuals(
       lambda p, w: st.lm_loss(GPT(CONFIG, spec), p, w, jax.random.PRNGKey(0)), params, windows))
   gelu_bytes = CONFIG.num_layers * BATCH * CONFIG.max_len * 4 * CONFIG.d_model * 4
