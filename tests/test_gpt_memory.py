@@ -6,6 +6,7 @@ rounding) under every policy, with dropout on, while planning less memory.
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 
 from models.gpt import GPT, GPTConfig
 from models.layers import chunked_cross_entropy, loss_chunk_tokens
+from numerics import assert_trees_close
 from remat.memory import compiled_memory
 from training import steps as st
 from training.tasks import Task
@@ -21,15 +23,6 @@ from training.tasks import Task
 # A vocabulary large enough that the [B*T, V] logits dominate the activations.
 WIDE_VOCAB = GPTConfig(vocab_size=4096, max_len=32, num_layers=2, num_heads=2, d_model=32,
                        dropout=0.1)
-
-
-def _close(a, b, rtol=1e-5):
-  """Every leaf equal within rtol of the leaf's largest magnitude (some leaves are ~0)."""
-  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves(b)):
-    x, y = np.asarray(x), np.asarray(y)
-    scale = max(float(np.max(np.abs(y))), 1e-6)
-    err = float(np.max(np.abs(x - y)))
-    assert err <= rtol * scale, f'{jax.tree_util.keystr(path)}: max |diff| {err:.3g} vs scale {scale:.3g}'
 
 
 def test_chunk_size_choice():
@@ -51,13 +44,14 @@ def test_chunked_cross_entropy_matches_optax(chunk):
   labels = jnp.asarray(rng.integers(0, v, size=n), jnp.int32)
   plain = lambda h, e: optax.softmax_cross_entropy_with_integer_labels(h @ e.T, labels).mean()
   chunked = lambda h, e: chunked_cross_entropy(h, e, labels, chunk)
-  np.testing.assert_allclose(chunked(h, emb), plain(h, emb), rtol=1e-6)
-  np.testing.assert_allclose(jax.jit(chunked)(h, emb), plain(h, emb), rtol=1e-6)
+  assert_trees_close(chunked(h, emb), plain(h, emb))
+  assert_trees_close(jax.jit(chunked)(h, emb), plain(h, emb))
   # The backward pass scales the gradient formed in the forward pass by the cotangent.
   out, vjp = jax.vjp(chunked, h, emb)
   out_ref, vjp_ref = jax.vjp(plain, h, emb)
-  np.testing.assert_allclose(out, out_ref, rtol=1e-6)
-  _close(vjp(jnp.float32(2.5)), vjp_ref(jnp.float32(2.5)))
+  assert_trees_close(out, out_ref)
+  for got, want in zip(vjp(jnp.float32(2.5)), vjp_ref(jnp.float32(2.5))):   # d/dh, d/demb
+    assert_trees_close(got, want)
 
 
 def _loss_and_grads(config, spec, windows, params, rng):
@@ -83,8 +77,8 @@ def test_chunked_loss_and_gradients_equal_plain(wide, spec):
   for chunk in (None, 13, 48):   # None: 4096 words -> chunks of 4096 tokens: the plain path
     loss, grads = _loss_and_grads(dataclasses.replace(WIDE_VOCAB, loss_chunk=chunk), spec,
                                   windows, params, rng)
-    np.testing.assert_allclose(loss, plain_loss, rtol=1e-5)
-    _close(grads, plain_grads)
+    assert_trees_close(loss, plain_loss)
+    assert_trees_close(grads, plain_grads)
 
 
 def test_eval_loss_and_hidden(wide):
@@ -93,12 +87,12 @@ def test_eval_loss_and_hidden(wide):
   plain = Task(dataclasses.replace(WIDE_VOCAB, loss_chunk=0))
   got = chunked.loss(chunked.model('none'), params, {}, windows)[0]
   want = plain.loss(plain.model('none'), params, {}, windows)[0]
-  np.testing.assert_allclose(got, want, rtol=1e-6)
+  assert_trees_close(got, want)
   model = GPT(WIDE_VOCAB)
   x = windows[:, :-1]
   h = model.apply({'params': params}, x, method=GPT.hidden)
   logits = model.apply({'params': params}, x)
-  np.testing.assert_allclose(h @ params['wte']['embedding'].T, logits, rtol=1e-5, atol=1e-6)
+  assert_trees_close(h @ params['wte']['embedding'].T, logits)
 
 
 def _train_step_memory(config, spec='full', batch=8):
@@ -136,9 +130,9 @@ def test_clip_matches_optax(scale):
   theirs = optax.clip_by_global_norm(1.0)
   got = ours.update(grads, ours.init(grads))[0]
   want = theirs.update(grads, theirs.init(grads))[0]
-  _close(got, want, rtol=1e-6)
+  assert_trees_close(got, want)
   zeros = jax.tree_util.tree_map(jnp.zeros_like, grads)
-  _close(ours.update(zeros, ours.init(zeros))[0], zeros)
+  chex.assert_trees_all_equal(ours.update(zeros, ours.init(zeros))[0], zeros)
 
 
 def test_dropout_masks_match_flax():

@@ -9,7 +9,7 @@ from models.gpt import GPTConfig
 from remat import report
 from remat.measure import measure, step_memory
 from remat.sweep import depth_sweep, loglog_slope
-from remat.targets import TargetError, get_target, gpu_plugin_available
+from remat.targets import TargetError, get_target
 
 SMALL = GPTConfig(vocab_size=256, max_len=32, num_layers=4, num_heads=2, d_model=32, dropout=0.1)
 
@@ -87,8 +87,7 @@ def test_errors_are_one_line(argv, needle, capsys):
   assert err[-1].startswith('remat.report: error: ') and needle in err[-1]
 
 
-@pytest.mark.skipif(not gpu_plugin_available(),
-                    reason='jax-cuda12 plugin not installed (pip install -e ".[gpu-plan]")')
+@pytest.mark.gpu_plan
 # h100 goes through the same code as h200 with other device facts: kept for -m slow.
 @pytest.mark.parametrize('name', [pytest.param('h100', marks=pytest.mark.slow), 'h200'])
 def test_gpu_target_plans_offload_to_host(name):

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from models.gpt import GPT
+from numerics import assert_trees_close
 from remat import LayerStack, get_policy
 from remat.tags import iter_eqns
 
@@ -68,10 +69,10 @@ def test_any_depth_runs_layers_in_order(n, spec):
   for i in range(n):
     expected = a[i] * expected + b[i]
   got = _Net(n, spec).apply(variables, x)
-  chex.assert_trees_all_close(got, expected, rtol=1e-5, atol=1e-6)
+  assert_trees_close(got, expected)
   g = jax.grad(lambda v: _Net(n, spec).apply(v, x).sum())(variables)
   g_ref = jax.grad(lambda v: _Net(n, 'none').apply(v, x).sum())(variables)
-  chex.assert_trees_all_close(g, g_ref, rtol=1e-5, atol=1e-6)
+  assert_trees_close(g, g_ref)
 
 
 def test_segment_larger_than_stack_fails_closed(small_config, small_params, windows):

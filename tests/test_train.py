@@ -14,6 +14,7 @@ import pytest
 
 from configs import config_names, load_config
 from models.gpt import GPT
+from numerics import RTOL, assert_trees_close
 from training import cli
 from training.trainer import TrainConfig, train
 
@@ -89,15 +90,20 @@ def test_resume_equals_uninterrupted(uninterrupted, tmp_path, capsys):
   assert 'resumed step 4 (saved under policy sqrt)' in capsys.readouterr().out
   rows = _rows(out)
   assert [r['step'] for r in rows] == list(range(1, 9))
-  np.testing.assert_allclose([r['loss'] for r in rows], [r['loss'] for r in ref], rtol=1e-5)
-  assert rows[-1]['val_loss'] == pytest.approx(ref[-1]['val_loss'], rel=1e-5)
+  # The same program on the same inputs from a bit-exact checkpoint: the same numbers.
+  assert [r['loss'] for r in rows] == [r['loss'] for r in ref]
+  assert rows[-1]['val_loss'] == ref[-1]['val_loss']
 
 
 def test_checkpoint_restores_under_another_policy(uninterrupted, tmp_path):
   rows = _interrupt_and_resume(uninterrupted, tmp_path, 'full@seg:2')
   ref = uninterrupted[1]
   assert rows[-1]['policy'] == 'full@seg:2' and ref[-1]['policy'] == 'sqrt'
-  np.testing.assert_allclose([r['loss'] for r in rows], [r['loss'] for r in ref], rtol=1e-4)
+  # Another policy rounds each gradient differently (within RTOL of the gradients' scale), and
+  # four AdamW steps amplify that: Adam divides by sqrt(v), so noise-sized gradient elements
+  # take steps of the learning rate's size. Losses stay within ten times the gradient tolerance.
+  assert_trees_close(np.array([r['loss'] for r in rows]), np.array([r['loss'] for r in ref]),
+                     rtol=10 * RTOL)
 
 
 def _cli(argv, capsys):
@@ -137,6 +143,7 @@ def test_existing_run_needs_resume(uninterrupted, capsys):
   assert code == 2 and 'pass --resume' in cap.err
 
 
+@pytest.mark.gpu_plan
 def test_train_py_runs_clean_with_gpu_plugin_installed(text_file, tmp_path):
   # No JAX_PLATFORMS: train.py itself must keep an installed jax-cuda12 plugin from
   # printing a CUDA traceback on a machine without a GPU.

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from numerics import RTOL, assert_trees_close
 from training import cli
 from training.trainer import TrainConfig, train
 
@@ -49,8 +50,9 @@ def test_resnet_resume_restores_batch_stats(resnet_run, tmp_path, capsys):
   rows = _rows(out)
   # The evaluation after resuming uses the restored running averages: it would differ if
   # batch_stats had been re-initialised.
-  np.testing.assert_allclose([r['loss'] for r in rows], [r['loss'] for r in ref], rtol=1e-4)
-  assert rows[-1]['val_loss'] == pytest.approx(ref[-1]['val_loss'], rel=1e-4)
+  # Another policy: rounding amplified by four AdamW steps (tests/test_train.py says why).
+  assert_trees_close(np.array([r['loss'] for r in rows] + [rows[-1]['val_loss']]),
+                     np.array([r['loss'] for r in ref] + [ref[-1]['val_loss']]), rtol=10 * RTOL)
 
 
 def test_vit_trains_with_dropout(tmp_path):
