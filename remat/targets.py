@@ -11,6 +11,7 @@ so ``memory_analysis()`` is the GPU's memory plan, offload to pinned host includ
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 from pathlib import Path
 
@@ -75,10 +76,9 @@ def prefer_cpu_without_gpu() -> None:
 def gpu_plugin_available() -> bool:
   """True when the jax-cuda12 plugin (needed to compile for a GPU target) is installed."""
   try:
-    import jax_plugins.xla_cuda12  # noqa: F401
-  except ImportError:
+    return importlib.util.find_spec('jax_plugins.xla_cuda12') is not None
+  except ImportError:   # no jax_plugins namespace at all
     return False
-  return True
 
 
 def get_target(name: str) -> Target:
