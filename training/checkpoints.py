@@ -24,6 +24,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 MAX_TO_KEEP = 2
+TMP_SUFFIX = '.orbax-checkpoint-tmp'  # orbax's name for a step folder being written
 
 
 class CheckpointError(ValueError):
@@ -41,10 +42,19 @@ def manager(out: Path, save_every: int = 1, writer: bool = False) -> ocp.Checkpo
   and removes temporary folders of interrupted saves. A reader must not, as
   such a folder may be the save another process is writing right now.
   """
+  if writer:
+    _remove_interrupted_saves(out)
   opts = ocp.CheckpointManagerOptions(
       save_interval_steps=save_every, max_to_keep=MAX_TO_KEEP, enable_async_checkpointing=False,
-      create=writer, cleanup_tmp_directories=writer)
+      create=writer)
   return ocp.CheckpointManager(folder(out), options=opts, item_names=('state', 'meta'))
+
+
+def _remove_interrupted_saves(out: Path):
+  # Orbax's own cleanup_tmp_directories runs in the background, unawaited; a run must
+  # know the folder is clean before it counts its checkpoints.
+  for tmp in folder(out).glob(f'*{TMP_SUFFIX}*'):
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def steps(out: Path) -> list[int]:

@@ -235,15 +235,8 @@ def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn) -
   model = task.model(policy)
   tx = st.make_optimizer(cfg.lr, cfg.steps, cfg.warmup_steps, cfg.weight_decay, cfg.grad_clip)
   state_shape, batch_shape = st.abstract_inputs(model, tx, cfg.batch_size, size, cfg.seed)
-  step_fn = st.compile_train_step(model, tx, cfg.seed, state_shape, batch_shape, guard=True)
-  if cfg.memory_report:
-    base = step_fn if policy.spec == 'none' else st.compile_train_step(
-        task.model('none'), tx, cfg.seed, state_shape, batch_shape, guard=True)
-    log(memory_line(policy, compiled_memory(step_fn), compiled_memory(base)))
-
-  meta = {'config': named.name, 'arch': named.arch, 'model': dataclasses.asdict(named.model),
-          'policy': policy.spec,
-          'train': {k: v for k, v in dataclasses.asdict(cfg).items() if k != 'resume'}}
+  # Restore before compiling: a folder without an intact checkpoint, or one already at
+  # --steps, is reported in seconds rather than after the compile.
   if saved_step is not None:
     state, saved = ckpt.restore(out, state_shape, warn)
     log(f"resumed step {int(state.step)} (saved under policy {saved['policy']})")
@@ -256,6 +249,15 @@ def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn) -
   if start >= cfg.steps:
     log(f'nothing to do: {out} is at step {start} of --steps {cfg.steps}')
     return []
+  step_fn = st.compile_train_step(model, tx, cfg.seed, state_shape, batch_shape, guard=True)
+  if cfg.memory_report:
+    base = step_fn if policy.spec == 'none' else st.compile_train_step(
+        task.model('none'), tx, cfg.seed, state_shape, batch_shape, guard=True)
+    log(memory_line(policy, compiled_memory(step_fn), compiled_memory(base)))
+
+  meta = {'config': named.name, 'arch': named.arch, 'model': dataclasses.asdict(named.model),
+          'policy': policy.spec,
+          'train': {k: v for k, v in dataclasses.asdict(cfg).items() if k != 'resume'}}
   metrics = rundir.MetricsLog(out, start)
   mngr = ckpt.manager(out, cfg.save_every, writer=True)
   try:
