@@ -93,7 +93,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, seed: in
                      model_state=model_state, opt_state=opt_state)
     if not guard:
       return new, loss
-    # The clip computes the same norm; XLA shares it, so the check costs one scalar.
+    # One reduction to a scalar (the clip reduces the same gradients; XLA may share the two).
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     keep = lambda n, o: jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), n, o)
