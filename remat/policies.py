@@ -247,10 +247,8 @@ def _parse_segment(text: str, spec: str) -> int | str:
     return text
   kind, sep, arg = text.partition(':')
   if kind == 'seg' and sep:
-    try:
-      k = int(arg)
-    except ValueError:
-      k = None
+    # int() also takes ' 3', '+3', '1_0' and non-ASCII digits such as '２'; a spec is plain ASCII.
+    k = int(arg) if arg.isascii() and arg.isdigit() else None
     if k is None or k < 1:
       raise PolicyError(f"remat policy '{spec}': segment size must be an integer >= 1, got '{arg}'")
     return k

@@ -107,6 +107,9 @@ def test_listing_covers_registry():
     ('names', {}, "'names' needs tags"),
     ('seg:0', {}, 'segment size must be an integer >= 1'),
     ('seg:x', {}, 'segment size must be an integer >= 1'),
+    ('seg:\uff12', {}, "segment size must be an integer >= 1, got '\uff12'"),  # full-width 2
+    ('seg:+2', {}, 'segment size must be an integer >= 1'),
+    ('full@seg: 2', {}, 'segment size must be an integer >= 1'),
     ('full@cubic', {}, "unknown segmenting 'cubic'; valid: sqrt, seg:K, stage"),
     ('seg:6', {'num_layers': 5}, 'segment size 6 is out of range; valid sizes for this 5-layer stack are 1..5'),
     ('names:nope', {'tags': TAGS}, 'unknown tag(s) nope; this model emits: context, key_proj'),

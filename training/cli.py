@@ -10,8 +10,8 @@ from configs import DEFAULT_CONFIG, config_names, load_config
 from remat.policies import PolicyError, list_policies
 from remat.targets import prefer_cpu_without_gpu
 from training.data import DataError
-from training.trainer import (RunError, TrainConfig, default_config, matching_config, read_meta,
-                              train)
+from training.trainer import (DivergedError, RunError, TrainConfig, default_config,
+                              matching_config, read_meta, train)
 
 _FLAGS = {  # flag -> (type, help); defaults come from the named config, then TrainConfig
     'steps': (int, 'optimizer steps'),
@@ -26,6 +26,9 @@ _FLAGS = {  # flag -> (type, help); defaults come from the named config, then Tr
     'eval_every': (int, 'validation loss every N steps (and at the end)'),
     'eval_batches': (int, 'validation batches per evaluation'),
     'save_every': (int, 'orbax checkpoint every N steps (and at the end)'),
+    'skip_nonfinite': (int, 'skip up to N steps in a row whose loss or gradients are not finite '
+                            '(their update is dropped); the next one stops the run (exit 3). '
+                            '0: stop at the first'),
 }
 
 
@@ -92,6 +95,9 @@ def main(argv=None) -> int:
     return 0
   try:
     train(config_from_args(args))
+  except DivergedError as e:  # its own code: the settings were valid, the run was not
+    print(f'train.py: error: {e}', file=sys.stderr)
+    return 3
   except (PolicyError, DataError, RunError, ValueError) as e:
     print(f'train.py: error: {e}', file=sys.stderr)
     return 2

@@ -37,15 +37,27 @@ def stdlib_files() -> list[Path]:
 
 
 def _text_files(path: Path) -> list[Path]:
+  if not path.exists():
+    raise DataError(f"--data '{path}' does not exist; give a text file or a folder of text files")
   if path.is_file():
     return [path]
-  if path.is_dir():
-    return sorted(p for p in path.rglob('*') if p.is_file() and not p.name.startswith('.'))
-  raise DataError(f"--data '{path}' does not exist; give a text file or a folder of text files")
+  if not path.is_dir():  # /dev/null, a pipe, a socket: nothing to read a corpus from
+    raise DataError(f"--data '{path}' is not a regular file or a folder; give a text file or a "
+                    'folder of text files')
+  files = []
+
+  def unreadable(err: OSError):  # os.walk skips what it cannot list unless told otherwise
+    raise DataError(f"--data: cannot read '{err.filename}': {err.strerror}")
+  for dirpath, dirnames, filenames in os.walk(path, onerror=unreadable):
+    files += [Path(dirpath) / f for f in filenames if not f.startswith('.')]
+  return sorted(f for f in files if f.is_file())
 
 
 def _read_text(path: Path) -> bytes | None:
-  data = path.read_bytes()
+  try:
+    data = path.read_bytes()
+  except OSError as e:
+    raise DataError(f"--data: cannot read '{path}': {e.strerror}") from None
   return None if b'\0' in data[:8192] else data  # binary files have NUL bytes
 
 

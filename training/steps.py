@@ -72,8 +72,16 @@ def lm_loss(model: nn.Module, params, windows, dropout_rng=None) -> jax.Array:
   return _task(model).loss(model, params, {}, windows, dropout_rng)[0]
 
 
-def make_train_step(model: nn.Module, tx: optax.GradientTransformation, seed: int):
-  """Returns ``step(state, batch) -> (state, loss)``; dropout key = fold_in(seed, step)."""
+def make_train_step(model: nn.Module, tx: optax.GradientTransformation, seed: int,
+                    guard: bool = False):
+  """Returns ``step(state, batch) -> (state, loss)``; dropout key = fold_in(seed, step).
+
+  With ``guard``, the step returns ``(state, stats)`` instead, ``stats`` being
+  ``[loss, gradient global norm]`` (one small array, fetched in one transfer),
+  and a step whose loss or gradient norm is not finite leaves parameters, model
+  state and optimizer state as they were (only the step counter moves), so a
+  caller may skip it or stop with the last good state.
+  """
   task = _task(model)
 
   def train_step(state: TrainState, batch):
@@ -81,8 +89,18 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, seed: in
     loss_fn = lambda p: task.loss(model, p, state.model_state, batch, rng)
     (loss, (model_state, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    return TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                      model_state=model_state, opt_state=opt_state), loss
+    new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                     model_state=model_state, opt_state=opt_state)
+    if not guard:
+      return new, loss
+    # One reduction to a scalar (the clip reduces the same gradients; XLA may share the two).
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep = lambda n, o: jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), n, o)
+    return new.replace(params=keep(new.params, state.params),
+                       model_state=keep(new.model_state, state.model_state),
+                       opt_state=keep(new.opt_state, state.opt_state)), jnp.stack(
+                           [loss.astype(jnp.float32), grad_norm.astype(jnp.float32)])
   return train_step
 
 
@@ -94,15 +112,16 @@ def abstract_inputs(model: nn.Module, tx: optax.GradientTransformation, batch_si
 
 
 def compile_train_step(model: nn.Module, tx: optax.GradientTransformation, seed: int,
-                       state, batch, compiler_options: dict | None = None):
+                       state, batch, compiler_options: dict | None = None, guard: bool = False):
   """AOT-compiles the train step for (abstract) ``state`` and ``batch``, donating the state.
 
   ``compiler_options`` default to :func:`remat.targets.compiler_options` of the
   local backend (on CPU they keep one-iteration loops, so their remat holds).
+  ``guard``: see :func:`make_train_step`.
   """
   from remat.targets import compiler_options as local_options
   options = local_options() if compiler_options is None else compiler_options
-  return jax.jit(make_train_step(model, tx, seed), donate_argnums=0).lower(state, batch).compile(
+  return jax.jit(make_train_step(model, tx, seed, guard), donate_argnums=0).lower(state, batch).compile(
       compiler_options=options or None)
 
 

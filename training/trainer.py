@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -11,12 +12,13 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from tqdm import tqdm
 
 from configs import DEFAULT_CONFIG, NamedConfig, config_names, load_config
 from remat.memory import MemoryStats, compiled_memory, format_bytes
 from remat.policies import Policy, get_policy
+from training import checkpoints as ckpt
+from training import rundir
 from training import steps as st
 from training.data import load_text
 from training.images import load_images
@@ -51,27 +53,41 @@ class TrainConfig:
   eval_batches: int = 8
   save_every: int = 100
   memory_report: bool = True
+  skip_nonfinite: int = 0
 
   @property
   def out_dir(self) -> Path:
     if self.out:
       return Path(self.out)
-    safe = ''.join(c if c.isalnum() or c in '-_.' else '_' for c in self.remat)
-    return Path('runs') / f'{self.config}-{safe}'
+    return Path('runs') / rundir.default_name(self.config, self.remat)
 
 
 class RunError(ValueError):
   """A setting that cannot be used; the message is one line."""
 
 
+class DivergedError(RunError):
+  """The run stopped at a non-finite loss or gradient; the checkpoints on disk are good."""
+
+
+def _flag(name: str) -> str:
+  return '--' + name.replace('_', '-')
+
+
 def _check_positive(cfg: TrainConfig):
   for name in ('steps', 'batch_size', 'seq_len', 'eval_every', 'eval_batches', 'save_every'):
     if getattr(cfg, name) < 1:
-      raise RunError(f'--{name.replace("_", "-")} must be >= 1, got {getattr(cfg, name)}')
-  if cfg.warmup_steps < 0:
-    raise RunError(f'--warmup-steps must be >= 0, got {cfg.warmup_steps}')
-  if not cfg.lr > 0:
-    raise RunError(f'--lr must be > 0, got {cfg.lr}')
+      raise RunError(f'{_flag(name)} must be >= 1, got {getattr(cfg, name)}')
+  for name in ('warmup_steps', 'skip_nonfinite'):
+    if getattr(cfg, name) < 0:
+      raise RunError(f'{_flag(name)} must be >= 0, got {getattr(cfg, name)}')
+  # NaN fails every comparison, so each check is written to pass only for good values.
+  for name, low, strict in (('lr', 0.0, True), ('grad_clip', 0.0, True),
+                            ('weight_decay', 0.0, False)):
+    value = getattr(cfg, name)
+    if not (math.isfinite(value) and (value > low if strict else value >= low)):
+      raise RunError(f"{_flag(name)} must be a finite number {'>' if strict else '>='} {low:g}, "
+                     f'got {value}')
 
 
 def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
@@ -134,117 +150,169 @@ def memory_line(policy: Policy, mem: MemoryStats, base: MemoryStats) -> str:
           f'({ratio:.0%}); peak {format_bytes(mem.peak)} vs {format_bytes(base.peak)}{note}')
 
 
-def _manager(out: Path, save_every: int) -> ocp.CheckpointManager:
-  opts = ocp.CheckpointManagerOptions(save_interval_steps=save_every, max_to_keep=2,
-                                      enable_async_checkpointing=False)
-  return ocp.CheckpointManager(out.resolve() / 'checkpoints', options=opts,
-                               item_names=('state', 'meta'))
-
-
-def _save(mngr, state, meta, force=False):
-  mngr.save(int(state.step), force=force, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
-
-
-def restore(out: Path, state_shape, step: int | None = None):
-  """Restores (state, meta) from ``out``'s latest (or given) checkpoint."""
-  mngr = _manager(out, 1)
-  step = mngr.latest_step() if step is None else step
-  if step is None:
-    raise RunError(f"--resume: no checkpoint in {out / 'checkpoints'}")
-  got = mngr.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(state_shape), meta=ocp.args.JsonRestore()))
-  mngr.close()
-  return got.state, got.meta
-
-
 def read_meta(out: Path) -> dict | None:
-  """The settings recorded in ``out``'s latest checkpoint, or None if it has none."""
-  if not (out / 'checkpoints').is_dir():
-    return None
-  mngr = _manager(out, 1)
-  step = mngr.latest_step()
-  meta = None if step is None else mngr.restore(
-      step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-  mngr.close()
-  return meta
+  """The run record of ``out``'s newest readable checkpoint, or None if it has none."""
+  got = ckpt.read_meta(out)
+  return None if got is None else got[1]
 
 
-def _drop_rows_after(path: Path, step: int):
-  # A resumed run re-does the steps after its checkpoint; their old rows go.
-  if path.exists():
-    kept = [l for l in path.read_text().splitlines() if l and json.loads(l)['step'] <= step]
-    path.write_text(''.join(l + '\n' for l in kept))
+def _warn(message: str):
+  print(f'train.py: warning: {message}', file=sys.stderr, flush=True)
 
 
-def train(cfg: TrainConfig, log=print) -> list[dict]:
-  """Runs training; returns the metric rows it wrote to ``<out>/metrics.jsonl``."""
+def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
+  """Runs training; returns the metric rows it wrote to ``<out>/metrics.jsonl``.
+
+  Everything that can be checked is checked before ``--out`` is created or
+  anything is compiled; then the run takes ``--out``'s lock and holds it to the
+  end. ``warn`` gets one-line warnings (a damaged checkpoint passed over).
+
+  Raises:
+    RunError: one line; :class:`DivergedError` if the loss or gradients stopped
+      being finite.
+  """
   named, task, size, policy = resolve(cfg)
   out = cfg.out_dir
-  has_ckpt = (out / 'checkpoints').is_dir() and any((out / 'checkpoints').iterdir())
-  if has_ckpt and not cfg.resume:
-    raise RunError(f'{out} already holds checkpoints; pass --resume to continue it or --out for a new run')
-  if cfg.resume and not has_ckpt:
+  rundir.check_out(out)
+  # A folder with a lock file was started by a run, which may have died before its first
+  # save: --resume starts that one over. Anything else without checkpoints is a wrong --out.
+  if cfg.resume and not ((out / 'checkpoints').is_dir() or (out / rundir.LOCK_NAME).exists()):
     raise RunError(f"--resume: no checkpoint in {out / 'checkpoints'}")
   pretrained = None
   if cfg.init_from and not cfg.resume:
     from models.hf import load_hf
     pretrained = load_hf(cfg.init_from, expect_arch=named.arch, config=named.model)[2]
-  batch_at, val = _data(cfg, task, size, log)
+  data = _data(cfg, task, size, log)
+  try:
+    out.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise RunError(f"--out '{out}' cannot be created: {e.strerror}") from None
+  with rundir.RunLock(out):
+    return _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn)
+
+
+def _check_record(cfg: TrainConfig, named: NamedConfig, out: Path) -> int | None:
+  """Checks the settings against the newest checkpoint's record; returns its step (None: none).
+
+  Runs before anything is compiled or restored, so a wrong flag costs nothing.
+  """
+  saved = ckpt.steps(out)
+  if saved and not cfg.resume:
+    raise RunError(f'{out} already holds checkpoints; pass --resume to continue it or --out for '
+                   'a new run')
+  if not saved:
+    return None
+  got = ckpt.read_meta(out)
+  if got is None:
+    return saved[0]  # no readable record: restore reports each checkpoint's problem
+  step, meta = got
+  recorded = meta.get('train', {})
+  for what, was, now in (('config', meta.get('config'), named.name),
+                         ('model', meta.get('arch'), named.arch),
+                         ('data', recorded.get('data'), cfg.data)):
+    if was != now and not (what == 'data' and was and now and
+                           os.path.realpath(was) == os.path.realpath(now)):
+      raise RunError(f'--resume: {out} was trained with --{what} {was}, not {now}; drop '
+                     f'--{what} (or pass --{what} {was}), or pass another --out for a new run')
+  if meta.get('model') != dataclasses.asdict(named.model):
+    raise RunError(f'--resume: config {named.name} has changed shape since {out} was saved; '
+                   'restore the config file, or pass another --out for a new run')
+  if step > cfg.steps:
+    raise RunError(f'--resume: {out} is at step {step}, past --steps {cfg.steps}; pass --steps '
+                   f'above {step} to train further')
+  return step
+
+
+def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn) -> list[dict]:
+  out = cfg.out_dir
+  saved_step = _check_record(cfg, named, out)
+  if cfg.resume and saved_step is None:  # the run was killed before its first save completed
+    warn(f'no complete checkpoint in {out} (the run ended before its first save); starting '
+         'from step 0')
+  batch_at, val = data
   log(f'model: {named.name} ({named.description}) | policy: {policy.spec}: {policy.description}')
 
   model = task.model(policy)
   tx = st.make_optimizer(cfg.lr, cfg.steps, cfg.warmup_steps, cfg.weight_decay, cfg.grad_clip)
   state_shape, batch_shape = st.abstract_inputs(model, tx, cfg.batch_size, size, cfg.seed)
-  step_fn = st.compile_train_step(model, tx, cfg.seed, state_shape, batch_shape)
-  if cfg.memory_report:
-    base = step_fn if policy.spec == 'none' else st.compile_train_step(
-        task.model('none'), tx, cfg.seed, state_shape, batch_shape)
-    log(memory_line(policy, compiled_memory(step_fn), compiled_memory(base)))
-
-  meta = {'config': named.name, 'arch': named.arch, 'model': dataclasses.asdict(named.model),
-          'policy': policy.spec,
-          'train': {k: v for k, v in dataclasses.asdict(cfg).items() if k != 'resume'}}
-  if cfg.resume:
-    state, saved = restore(out, state_shape)
-    if saved['config'] != named.name:
-      raise RunError(f"--resume: {out} was trained with config {saved['config']}, not {named.name}")
+  # Restore before compiling: a folder without an intact checkpoint, or one already at
+  # --steps, is reported in seconds rather than after the compile.
+  if saved_step is not None:
+    state, saved = ckpt.restore(out, state_shape, warn)
     log(f"resumed step {int(state.step)} (saved under policy {saved['policy']})")
   elif pretrained is not None:
     state = _pretrained_state(pretrained, tx)
     log(f'initialised from the Hugging Face checkpoint {cfg.init_from}')
   else:
     state = st.init_state(model, tx, cfg.seed, size)
-  out.mkdir(parents=True, exist_ok=True)
-  _drop_rows_after(out / 'metrics.jsonl', int(state.step))
-  mngr = _manager(out, cfg.save_every)
+  start = int(state.step)
+  if start >= cfg.steps:
+    log(f'nothing to do: {out} is at step {start} of --steps {cfg.steps}')
+    return []
+  step_fn = st.compile_train_step(model, tx, cfg.seed, state_shape, batch_shape, guard=True)
+  if cfg.memory_report:
+    base = step_fn if policy.spec == 'none' else st.compile_train_step(
+        task.model('none'), tx, cfg.seed, state_shape, batch_shape, guard=True)
+    log(memory_line(policy, compiled_memory(step_fn), compiled_memory(base)))
+
+  meta = {'config': named.name, 'arch': named.arch, 'model': dataclasses.asdict(named.model),
+          'policy': policy.spec,
+          'train': {k: v for k, v in dataclasses.asdict(cfg).items() if k != 'resume'}}
+  metrics = rundir.MetricsLog(out, start)
+  mngr = ckpt.manager(out, cfg.save_every, writer=True)
+  try:
+    return _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, metrics,
+                 mngr, log, warn)
+  finally:
+    metrics.close()
+    mngr.close()
+
+
+def _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, metrics, mngr,
+          log, warn) -> list[dict]:
+  out = cfg.out_dir
   eval_step = st.make_eval_step(model)
   rows = []
   start = int(state.step)
+  bad_in_row = 0
   # Throughput unit: tokens (bytes) for GPT, images for vision.
   unit, per_step = ('img', cfg.batch_size) if task.is_vision else ('tok', cfg.batch_size * size)
-  with open(out / 'metrics.jsonl', 'a') as metrics, tqdm(
-      total=cfg.steps, initial=start, desc=f'train {policy.spec}', unit='step',
-      file=sys.stdout, dynamic_ncols=True, mininterval=0.5) as bar:
+  with tqdm(total=cfg.steps, initial=start, desc=f'train {policy.spec}', unit='step',
+            file=sys.stdout, dynamic_ncols=True, mininterval=0.5) as bar:
     t0 = time.perf_counter()
     for step in range(start, cfg.steps):
-      state, loss = step_fn(state, batch_at(step))
-      loss = float(loss)  # waits for the step, so the clock below is honest
+      state, stats = step_fn(state, batch_at(step))
+      loss, grad_norm = (float(x) for x in np.asarray(stats))  # waits: the clock is honest
       t1 = time.perf_counter()
-      row = {'step': step + 1, 'loss': round(loss, 5),
+      finite = math.isfinite(loss) and math.isfinite(grad_norm)
+      row = {'step': step + 1, 'loss': round(loss, 5), 'grad_norm': round(grad_norm, 5),
              f'{"images" if task.is_vision else "tokens"}_per_s': round(per_step / (t1 - t0), 1),
              'policy': policy.spec}
-      if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+      bad_in_row = 0 if finite else bad_in_row + 1
+      if not finite:
+        row['skipped'] = bad_in_row <= cfg.skip_nonfinite  # else the run stops at this row
+      elif (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
         row.update(_evaluate(eval_step, state, val))
-      metrics.write(json.dumps(row) + '\n')
+      metrics.write(row)
       rows.append(row)
+      if bad_in_row > cfg.skip_nonfinite:
+        metrics.sync()
+        raise DivergedError(_diverged(step + 1, loss, grad_norm, cfg, mngr, out))
+      if bad_in_row:
+        warn(f'step {step + 1}: loss {loss:g}, gradient norm {grad_norm:g}: not finite; update '
+             f'skipped ({bad_in_row} in a row, --skip-nonfinite {cfg.skip_nonfinite})')
       bar.set_postfix(loss=f'{loss:.3f}', val=row.get('val_loss', '-'),
                       **{f'{unit}_s': f'{per_step / (t1 - t0):.0f}'})
       bar.update()
-      _save(mngr, state, meta, force=step + 1 == cfg.steps)
+      last = step + 1 == cfg.steps
+      if last or mngr.should_save(step + 1):
+        metrics.sync()  # rows first: a checkpoint never holds a step whose row can be lost
+        try:
+          ckpt.save(mngr, state, meta, force=last)
+        except ckpt.CheckpointError as e:
+          raise DivergedError(f'{e}{_last_good(mngr, out)}') from None
       t0 = time.perf_counter()
   mngr.wait_until_finished()
-  mngr.close()
   if rows and 'val_loss' in rows[-1]:
     last = rows[-1]
     what = (f"val loss {last['val_loss']:.3f}, val accuracy {last['val_accuracy']:.1%}"
@@ -252,6 +320,21 @@ def train(cfg: TrainConfig, log=print) -> list[dict]:
     log(f"done: step {last['step']}, train loss {last['loss']:.3f}, {what}; "
         f"metrics and checkpoints in {out}")
   return rows
+
+
+def _last_good(mngr, out: Path) -> str:
+  step = mngr.latest_step()
+  if step is None:
+    return '; no checkpoint was written: lower --lr (or --grad-clip) and start again'
+  return (f'; checkpoint {step} in {out} is the last good one: lower --lr (or --grad-clip) and '
+          'continue from it with --resume')
+
+
+def _diverged(step: int, loss: float, grad_norm: float, cfg, mngr, out: Path) -> str:
+  skipped = (f' after {cfg.skip_nonfinite} skipped steps in a row (--skip-nonfinite)'
+             if cfg.skip_nonfinite else '')
+  return (f'diverged at step {step}: loss {loss:g}, gradient norm {grad_norm:g}{skipped}; '
+          f'stopped without saving{_last_good(mngr, out)}')
 
 
 def _data(cfg: TrainConfig, task: Task, size: int, log):

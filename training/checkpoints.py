@@ -1,0 +1,197 @@
+"""Orbax checkpoints that can be trusted: never non-finite, digest-verified, with fallback restore.
+
+Each checkpoint holds two items: ``state`` (the :class:`~training.steps.TrainState`)
+and ``meta`` (JSON: config, model, policy, settings, and ``digest``, a SHA-256 of
+the saved arrays). Orbax writes a step into a temporary folder and renames it
+when complete, so a kill mid-save leaves no half checkpoint under a step name;
+the writer removes such leftovers when it opens the folder.
+
+Restore walks the steps newest first and takes the first that restores, whose
+arrays match the recorded digest and are finite; a damaged newer one is moved
+to ``<out>/damaged/`` (kept for inspection, out of the way of the steps the run
+re-saves) with a warning naming what was wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+MAX_TO_KEEP = 2
+TMP_SUFFIX = '.orbax-checkpoint-tmp'  # orbax's name for a step folder being written
+
+
+class CheckpointError(ValueError):
+  """No usable checkpoint, or a state that must not be saved; the message is one line."""
+
+
+def folder(out: Path) -> Path:
+  return out.resolve() / 'checkpoints'
+
+
+def manager(out: Path, save_every: int = 1, writer: bool = False) -> ocp.CheckpointManager:
+  """An orbax manager of ``<out>/checkpoints``.
+
+  Only the run holding the folder's lock is a ``writer``: it creates the folder
+  and removes temporary folders of interrupted saves. A reader must not, as
+  such a folder may be the save another process is writing right now.
+  """
+  if writer:
+    _remove_interrupted_saves(out)
+  opts = ocp.CheckpointManagerOptions(
+      save_interval_steps=save_every, max_to_keep=MAX_TO_KEEP, enable_async_checkpointing=False,
+      create=writer)
+  return ocp.CheckpointManager(folder(out), options=opts, item_names=('state', 'meta'))
+
+
+def _remove_interrupted_saves(out: Path):
+  # Orbax's own cleanup_tmp_directories runs in the background, unawaited; a run must
+  # know the folder is clean before it counts its checkpoints.
+  for tmp in folder(out).glob(f'*{TMP_SUFFIX}*'):
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def steps(out: Path) -> list[int]:
+  """Complete checkpoint steps in ``out``, newest first (interrupted saves do not count)."""
+  if not folder(out).is_dir():
+    return []
+  mngr = manager(out)
+  found = sorted(mngr.all_steps(), reverse=True)
+  mngr.close()
+  return found
+
+
+def digest(state) -> str:
+  """SHA-256 over every array of ``state`` (tree path, dtype, shape and bytes), on host copies."""
+  h = hashlib.sha256()
+  for path, leaf in jax.tree_util.tree_flatten_with_path(jax.device_get(state))[0]:
+    a = np.ascontiguousarray(leaf)
+    h.update(f'{jax.tree_util.keystr(path)}|{a.dtype}|{a.shape};'.encode())
+    h.update(a.view(np.uint8).reshape(-1) if a.size else b'')
+  return h.hexdigest()
+
+
+def nonfinite(state) -> list[str]:
+  """Tree paths of floating-point arrays in ``state`` holding a NaN or an infinity."""
+  bad = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(jax.device_get(state))[0]:
+    a = np.asarray(leaf)
+    if np.issubdtype(a.dtype, np.inexact) and not np.isfinite(a).all():
+      bad.append(jax.tree_util.keystr(path))
+  return bad
+
+
+def save(mngr: ocp.CheckpointManager, state, meta: dict, force: bool = False) -> bool:
+  """Saves ``state`` if its step is due (or ``force``); returns whether it saved.
+
+  Raises:
+    CheckpointError: the state holds non-finite values; nothing is written, so
+      no good checkpoint is rotated out by it.
+  """
+  step = int(state.step)
+  if not (force or mngr.should_save(step)):
+    return False
+  host = jax.device_get(state)
+  bad = nonfinite(host)
+  if bad:
+    raise CheckpointError(f'step {step}: non-finite values in {bad[0]}'
+                          f'{f" and {len(bad) - 1} more arrays" if len(bad) > 1 else ""}; '
+                          'not saved')
+  mngr.save(step, force=force, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave({**meta, 'digest': digest(host)})))
+  return True
+
+
+def read_meta(out: Path) -> tuple[int, dict] | None:
+  """(step, meta) of the newest checkpoint whose meta reads, or None; warns of nothing."""
+  for step in steps(out):
+    try:
+      return step, _restore(out, step, meta=ocp.args.JsonRestore()).meta
+    except Exception:  # pylint: disable=broad-except  (a damaged one: restore reports it)
+      continue
+  return None
+
+
+def restore(out: Path, state_shape, warn) -> tuple[object, dict]:
+  """(state, meta) of the newest checkpoint that restores, verifies and is finite.
+
+  Newer checkpoints that fail are moved to ``<out>/damaged/``, each with one
+  ``warn`` line naming the step and the problem.
+
+  Raises:
+    CheckpointError: no checkpoint in ``out`` restores.
+  """
+  problems = []
+  for step in steps(out):
+    try:
+      meta = _restore_item(out, step, 'meta', ocp.args.JsonRestore(), 'meta/metadata')
+      state = _restore_item(out, step, 'state', ocp.args.StandardRestore(state_shape))
+      _verify(state, meta)
+    except Exception as e:  # pylint: disable=broad-except
+      # Damaged files surface as many types (ValueError, FileNotFoundError, JSONDecodeError,
+      # XlaRuntimeError from tensorstore, ...); each means this step cannot be used.
+      problems.append(f'step {step}: {_one_line(e)}')
+      warn(f'checkpoint {step} in {folder(out)} cannot be used ({_one_line(e)}); '
+           f'moved to {_set_aside(out, step)}, trying the previous one')
+      continue
+    return state, meta
+  raise CheckpointError(f'--resume: no intact checkpoint in {folder(out)}'
+                        + (f" ({'; '.join(problems)})" if problems else ''))
+
+
+def _restore(out: Path, step: int, **items):
+  mngr = manager(out)
+  # Orbax logs a failed read at ERROR level with a traceback before raising; the
+  # caller reports the failure in one line instead.
+  logger = logging.getLogger('absl')
+  level = logger.level
+  logger.setLevel(logging.CRITICAL)
+  try:
+    return mngr.restore(step, args=ocp.args.Composite(**items))
+  finally:
+    logger.setLevel(level)
+    mngr.close()
+
+
+def _restore_item(out: Path, step: int, name: str, args, label: str | None = None):
+  try:
+    return getattr(_restore(out, step, **{name: args}), name)
+  except Exception as e:  # pylint: disable=broad-except  (name the item; orbax's text may not)
+    raise CheckpointError(f'{label or name}: {_one_line(e)}') from e
+
+
+def _verify(state, meta: dict):
+  if not isinstance(meta, dict) or 'config' not in meta:
+    raise CheckpointError('meta: not a run record')
+  if 'digest' in meta and digest(state) != meta['digest']:  # older checkpoints have none
+    raise CheckpointError('state: the arrays do not match the SHA-256 digest recorded when '
+                          'they were saved')
+  bad = nonfinite(state)
+  if bad:
+    raise CheckpointError(f'state: non-finite values in {bad[0]}')
+
+
+def _set_aside(out: Path, step: int) -> Path:
+  dest = out / 'damaged' / str(step)
+  n = 1
+  while dest.exists():
+    n += 1
+    dest = out / 'damaged' / f'{step}.{n}'
+  dest.parent.mkdir(exist_ok=True)
+  shutil.move(str(folder(out) / str(step)), dest)
+  return dest
+
+
+def _one_line(e: BaseException) -> str:
+  if isinstance(e, CheckpointError):
+    return str(e)
+  # TensorStore appends a long dump of its internals; its first sentence says what failed.
+  text = ' '.join(str(e).split(' See full TensorStore details')[0].split())
+  text = text if len(text) <= 200 else text[:197] + '...'
+  return f'{type(e).__name__}: {text}' if text else type(e).__name__
