@@ -1,0 +1,51 @@
+"""python -m remat.report --fn: the table of a user's own function; a bad --fn is one line, exit 2."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from remat import report
+
+TESTS = Path(__file__).parent
+
+
+def test_fn_prints_the_table_and_json(tmp_path, capsys):
+  out = tmp_path / 'r.json'
+  assert report.main(['--fn', 'user_mlp:factory', '--policies', 'full', '--json', str(out)]) == 0
+  text = capsys.readouterr().out
+  assert 'value_and_grad of loss, user_mlp:factory, target cpu' in text
+  lines = text.splitlines()
+  assert lines[1].split()[:4] == ['policy', 'temp', 'peak', 'residual']
+  assert [l.split()[0] for l in lines[2:4]] == ['none', 'full']
+  data = json.loads(out.read_text())
+  assert data['environment']['fn'] == 'user_mlp:factory'
+  assert [r['policy'] for r in data['policies']] == ['none', 'full']
+  assert data['policies'][1]['recompute_ratio'] == pytest.approx(7 / 6)  # test_measuring
+
+
+@pytest.mark.parametrize('fn,needle', [
+    ('user_mlp', "expected package.module:factory"),
+    ('no_such_module_xyz:factory', 'cannot import no_such_module_xyz'),
+    ('user_mlp:nope', 'user_mlp has no attribute nope'),
+    ('user_mlp:L', 'L is not callable'),
+    ('user_mlp:not_a_pair', 'must return (build, example_args), got function'),
+])
+def test_bad_fn_is_one_line(fn, needle, capsys):
+  assert report.main(['--fn', fn]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith('remat.report: error: ') and needle in err[0]
+
+
+def test_command_line_from_the_users_directory():
+  # As a user runs it: python -m from the folder holding their module; a bad --fn exits 2.
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  run = subprocess.run([sys.executable, '-m', 'remat.report', '--fn', 'user_mlp:missing'],
+                       cwd=TESTS, capture_output=True, text=True, env=env, timeout=120)
+  assert run.returncode == 2
+  assert 'Traceback' not in run.stderr
+  assert run.stderr.strip().splitlines()[-1] == (
+      "remat.report: error: --fn 'user_mlp:missing': user_mlp has no attribute missing")
