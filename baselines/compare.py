@@ -5,7 +5,7 @@
 [--json FILE] [--plot FILE]``
 
 For one model config, batch and shape, every policy family gets a JAX row (our
-train step under the policy of :data:`FAMILY_POLICY`, :func:`remat.measure.measure`)
+train step under the policy of :data:`FAMILY_POLICY`, :func:`bench.zoo.measure`)
 and a PyTorch row (the Hugging Face model under the torch family,
 :func:`baselines.torch_measure.measure_torch`), all measured in this one process
 on the CPU: step times are only comparable within one run.
@@ -55,7 +55,7 @@ Matching the two sides:
 * Optimizer: both AdamW with b1 0.9, b2 0.95, eps 1e-8, weight decay 0.1 and
   global-norm clipping at 1.0. The learning rate differs (JAX: the warmup-cosine
   schedule of :func:`training.steps.make_optimizer` with peak 1e-3 that
-  :mod:`remat.measure` uses; torch: constant 3e-4); it changes neither memory nor
+  :mod:`bench.zoo` uses; torch: constant 3e-4); it changes neither memory nor
   FLOPs. torch's AdamW runs its default per-parameter (for-loop) implementation
   on CPU; optax's update is fused by XLA.
 * GPT tokens: JAX ``--seq-len L`` means batches of ``[B, L + 1]`` windows, a
@@ -101,7 +101,7 @@ MODEL_ARCH = {'gpt2': 'gpt', 'vit': 'vit', 'resnet': 'resnet'}
 MODELS = tuple(MODEL_ARCH)
 DEFAULT_CONFIG = {'gpt2': 'gpt2-small', 'vit': 'vit-b16-224', 'resnet': 'resnet-50'}
 DEFAULT_SEQ_LEN = 128  # capped at the config's max_len
-# What remat.measure gives the JAX step: training.steps.make_optimizer(1e-3, 1000, 10, 0.1, 1.0).
+# What bench.zoo gives the JAX step: training.steps.make_optimizer(**bench.zoo.OPTIMIZER).
 JAX_OPTIMIZER = {'name': 'optax adamw (clip_by_global_norm first)', 'b1': 0.9, 'b2': 0.95,
                  'eps': 1e-8, 'weight_decay': 0.1, 'grad_clip': 1.0,
                  'lr': 'warmup-cosine schedule, peak 1e-3 (10 warm-up steps of 1000)'}
@@ -249,7 +249,7 @@ def _ratio(a, b):
 
 
 def jax_figures(m, none_flops: int, steps: int) -> dict:
-  """Every figure of one JAX :class:`remat.measure.Measurement` as a JSON-ready dict."""
+  """Every figure of one JAX :class:`remat.Measurement` as a JSON-ready dict."""
   from remat.residuals import by_source, by_tag
   mem = m.memory
   return {
@@ -354,7 +354,7 @@ def _version(dist: str):
 
 def compare(setup: Setup, torch_modules, progress=None) -> dict:
   """Measures every supported requested family on both sides; returns the JSON-ready result."""
-  from remat.measure import measure, step_flops
+  from bench.zoo import measure, step_flops
   from remat.targets import get_target
   torch_measure, _, torch_policies = torch_modules
   supported = torch_policies.supported_families(setup.model)

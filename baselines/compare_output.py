@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-JAX_WARMUP_STEPS = 2   # remat.measure.time_step's warm-up
+JAX_WARMUP_STEPS = 2   # remat.measuring.time_step's warm-up
 
 
 def format_bytes(n) -> str:

@@ -104,7 +104,7 @@ def torch_category(op: str) -> str:
 def profile_jax(setup, spec: str, steps: int) -> dict[str, float]:
   """Seconds per step by category of our train step under ``spec`` (local CPU backend)."""
   import jax
-  from remat.measure import local_step
+  from bench.zoo import local_step
   compiled, state, batch = local_step(setup.named.model, spec, setup.batch_size, setup.size)
   categories = hlo_categories(compiled.as_text())
   for _ in range(WARMUP_STEPS):

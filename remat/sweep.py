@@ -1,36 +1,37 @@
-"""Depth and resolution sweeps: activation memory against layers N or image side S, with log-log slopes.
+"""Activation memory against a size (layers N, image side S, ...), per policy, with log-log slopes.
 
-The train step's compiled ``temp`` also holds parameter gradients and optimizer
-temporaries, which grow as O(N) under every policy. The sweep therefore compiles
+A train step's compiled ``temp`` also holds parameter gradients and optimizer
+temporaries, which grow as O(N) under every policy. A sweep therefore compiles
 the loss gradient alone, with parameters as arguments and their gradients as
-outputs: **activation bytes = compiled temp of jax.grad(loss)**, i.e. saved
-residuals, recompute working sets and transient buffers. (temp(batch B) minus
-temp(batch 1) of the train step was tried first and rejected: XLA reuses
+outputs: **activation bytes = compiled temp of value_and_grad(loss)**, i.e.
+saved residuals, recompute working sets and transient buffers. (temp(batch B)
+minus temp(batch 1) of the train step was tried first and rejected: XLA reuses
 parameter-sized buffers differently at different batch sizes, so the difference
 even shrank with depth under ``full``.) The slope of log(activation bytes)
 against log(N) is ~1 for ``none`` and ~0.5 for ``sqrt``; ``full`` grows by one
 saved layer input per layer on top of a constant (logits, one layer's working set).
 
-The resolution sweep varies the image side S of a vision model instead. A
-convnet's activations grow as S**2 (slope ~2 under every policy: remat changes
-the constant, not the exponent); a ViT's token count grows as S**2 and its
-attention scores as S**4, so without remat its slope lies between 2 and 4.
-For a ResNet, depth sweeps take standard depths (18, 34, 50, 101, 152).
+Against an image side S, a convnet's activations grow as S**2 (slope ~2 under
+every policy: remat changes the constant, not the exponent); a ViT's token
+count grows as S**2 and its attention scores as S**4, so without remat its
+slope lies between 2 and 4. The model-zoo sweeps are in ``bench/sweep.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import sys
+from typing import Callable, Sequence
 
 import numpy as np
-from tqdm import tqdm
 
-from remat.measure import grad_memory
+from remat.measuring import step_memory
 from remat.memory import format_bytes
+from remat.policies import get_policy
 from remat.targets import Target
 
 SWEEP_POLICIES = ('none', 'full', 'sqrt', 'full@sqrt')
+_LABELS = {'depth': 'N', 'image_size': 'S'}
+_AXIS_TITLES = {'depth': 'layers N', 'image_size': 'image side S (pixels)'}
 
 
 def loglog_slope(depths, values) -> float:
@@ -38,47 +39,42 @@ def loglog_slope(depths, values) -> float:
   return float(np.polyfit(np.log(depths), np.log(values), 1)[0])
 
 
-def _at_depth(model_cfg, n: int):
-  from models.resnet import ResNetConfig
-  if isinstance(model_cfg, ResNetConfig):
-    keep = {f: getattr(model_cfg, f) for f in ('embedding_size', 'num_classes', 'channels',
-                                                'image_size', 'bn_momentum', 'bn_eps')}
-    return ResNetConfig.from_depth(n, **keep)
-  return dataclasses.replace(model_cfg, num_layers=n)
+def sweep(axis: str, values: Sequence[int], case: Callable[[int], tuple], target: Target,
+          policies: Sequence[str] = SWEEP_POLICIES, progress: bool = True) -> dict:
+  """Activation bytes per policy and value (compile only), and each policy's log-log slope.
 
+  Args:
+    axis: the name of what varies, e.g. 'depth' or 'image_size' (a JSON key).
+    values: at least two sizes.
+    case: ``case(value) -> (build, example_args)`` as for :func:`remat.measure`,
+      where ``build(policy)`` returns a loss (a TrainStep would add optimizer
+      buffers to the figure).
+    target: where to compile for.
+    policies: specs to sweep.
+    progress: a tqdm bar on stderr.
 
-def _sweep(axis: str, configs_and_sizes, values, batch_size, target, policies) -> dict:
+  Returns:
+    ``{'axis', 'values', 'points': {spec: [{axis: v, 'activation_bytes', 'host_temp'}]},
+    'slopes': {spec: slope}}``.
+  """
   jobs = [(p, v) for p in policies for v in values]
+  if progress:
+    from tqdm import tqdm
+    jobs = tqdm(jobs, desc=f'{axis} sweep', unit='compile', file=sys.stderr)
   points = {p: [] for p in policies}
-  for spec, v in tqdm(jobs, desc=f'{axis} sweep', unit='compile', file=sys.stderr):
-    cfg, size = configs_and_sizes(v)
-    mem = grad_memory(cfg, spec, batch_size, size, target)
+  for spec, v in jobs:
+    build, args = case(v)
+    mem = step_memory(build(get_policy(spec)), *args, target=target)
     points[spec].append({axis: v, 'activation_bytes': mem.temp, 'host_temp': mem.host_temp})
   slopes = {p: loglog_slope(values, [max(1, q['activation_bytes']) for q in pts])
             for p, pts in points.items()}
-  return {'axis': axis, 'values': list(values), 'batch_size': batch_size, 'points': points,
-          'slopes': slopes}
-
-
-def depth_sweep(model_cfg, depths: list[int], batch_size: int, size: int, target: Target,
-                policies=SWEEP_POLICIES) -> dict:
-  """Activation bytes per policy and depth (compile only), and each policy's log-log slope.
-
-  ``size`` is the sequence length or image side; ResNet depths are standard ones.
-  """
-  return _sweep('depth', lambda n: (_at_depth(model_cfg, n), size), depths, batch_size, target,
-                policies)
-
-
-def resolution_sweep(model_cfg, sizes: list[int], batch_size: int, target: Target,
-                     policies=SWEEP_POLICIES) -> dict:
-  """Activation bytes per policy and image side S (compile only), and log-log slopes against S."""
-  return _sweep('image_size', lambda s: (model_cfg, s), sizes, batch_size, target, policies)
+  return {'axis': axis, 'values': list(values), 'points': points, 'slopes': slopes}
 
 
 def format_sweep(sweep: dict, header: str) -> str:
+  """The sweep as a text table: one line per policy, one column per value, and the slope."""
   axis, values = sweep['axis'], sweep['values']
-  label = {'depth': 'N', 'image_size': 'S'}[axis]
+  label = _LABELS.get(axis, axis)
   lines = [header, '# activation bytes = compiled temp of jax.grad(loss) (no optimizer); '
            f'slope = log-log fit against {label}',
            f"{'policy':<12}" + ''.join(f'{label + "=" + str(v):>12}' for v in values)
@@ -90,7 +86,7 @@ def format_sweep(sweep: dict, header: str) -> str:
 
 
 def plot_sweep(sweep: dict, path: str, title: str):
-  """PNG: activation bytes against depth or image side on log-log axes, slope in the legend."""
+  """PNG: activation bytes against the swept size on log-log axes, slope in the legend."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
@@ -101,7 +97,7 @@ def plot_sweep(sweep: dict, path: str, title: str):
             label=f"{p} (slope {sweep['slopes'][p]:.2f})")
   ax.set_xscale('log')
   ax.set_yscale('log')
-  ax.set_xlabel({'depth': 'layers N', 'image_size': 'image side S (pixels)'}[axis])
+  ax.set_xlabel(_AXIS_TITLES.get(axis, axis))
   ax.set_ylabel('activation bytes: compiled temp of grad(loss) (MiB)')
   ax.set_title(title, fontsize=8)
   ax.grid(alpha=0.3, which='both')

@@ -65,7 +65,7 @@ def test_conv():
 
 def test_gpt_recompute_ratios():
   from configs import load_config
-  from remat.measure import step_flops
+  from bench.zoo import step_flops
   cfg = load_config('tiny').model
   flops = {s: step_flops(cfg, s, 2, 32).flops for s in ('none', 'everything', 'dots', 'full', 'full@sqrt')}
   # No matmul is recomputed: dots saves the projections and the attention context;

@@ -8,7 +8,7 @@ import pytest
 
 from configs import load_config
 from models.gpt import GPT, GPTConfig
-from remat.measure import grad_memory
+from bench.zoo import grad_memory
 from remat.memory import MemoryStats, compiled_memory, format_bytes
 from remat.residuals import saved_residuals
 from remat.targets import get_target

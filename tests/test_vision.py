@@ -163,7 +163,7 @@ def test_every_vision_config_loads_with_hf_parameter_counts():
 
 
 def _temp(cfg, spec, batch_size, size, target='cpu'):
-  from remat.measure import step_memory
+  from bench.zoo import step_memory
   from remat.targets import get_target
   return step_memory(cfg, spec, batch_size, size, get_target(target)).temp
 
@@ -179,12 +179,13 @@ def test_resnet_memory_ordering_on_cpu():
 
 
 def test_stage_saves_in_the_jaxpr_and_on_cpu():
-  from remat.measure import _step
-  from remat.residuals import saved_residuals
+  from bench import zoo
+  from remat.measuring import step_residuals
 
   def residual_bytes(spec):
-    _, _, _, state, batch, _, loss = _step(WIDE, spec, 4, 64)
-    return sum(r.nbytes for r in saved_residuals(loss, state.params, (state.model_state, batch)))
+    case = zoo.case(WIDE, 4, 64)
+    return sum(r.nbytes for r in step_residuals(case.train_step(case.policy(spec)),
+                                                *case.step_args()))
 
   assert residual_bytes('stage') < 0.5 * residual_bytes('none')
   cpu = {s: _temp(WIDE, s, 4, 64) for s in ('none', 'stage')}

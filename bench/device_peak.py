@@ -1,4 +1,4 @@
-"""Measured device peak of one train step, in a fresh process: ``python -m remat.device_peak``.
+"""Measured device peak of one zoo train step, in a fresh process: ``python -m bench.device_peak``.
 
 The allocator's ``peak_bytes_in_use`` never resets within a process, so each
 measurement runs in its own process (:func:`measured_device_peak` starts it).
@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
+
+# The checkout that holds bench/, configs/, models/ and training/: the child imports them from here.
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def measured_device_peak(config: str, spec: str, batch_size: int, size: int,
@@ -22,9 +27,12 @@ def measured_device_peak(config: str, spec: str, batch_size: int, size: int,
   Raises:
     RuntimeError: if the process fails (its last stderr line is in the message).
   """
-  cmd = [sys.executable, '-m', 'remat.device_peak', '--config', config, '--policy', spec,
+  cmd = [sys.executable, '-m', 'bench.device_peak', '--config', config, '--policy', spec,
          '--batch-size', str(batch_size), '--size', str(size)]
-  run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+  # The app packages are not installed (only remat is), so the child finds them on its path.
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      [str(ROOT)] + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]))
+  run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
   lines = [l for l in run.stdout.splitlines() if l.startswith('{')]
   if run.returncode or not lines:
     last = (run.stderr.strip().splitlines() or ['no output'])[-1]
@@ -33,29 +41,25 @@ def measured_device_peak(config: str, spec: str, batch_size: int, size: int,
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog='python -m remat.device_peak')
+  p = argparse.ArgumentParser(prog='python -m bench.device_peak')
   p.add_argument('--config', required=True)
   p.add_argument('--policy', required=True)
   p.add_argument('--batch-size', type=int, required=True)
   p.add_argument('--size', type=int, required=True, help='sequence length or image side')
   args = p.parse_args(argv)
 
-  import jax
-
-  from configs import load_config
-  from remat.policies import get_policy
   from remat.targets import prefer_cpu_without_gpu
-  from training import steps as st
-  from training.tasks import Task
-
   prefer_cpu_without_gpu()
 
-  task = Task(load_config(args.config).model).at_size(args.size)
-  model = task.model(get_policy(args.policy, num_layers=task.num_layers))
-  tx = st.make_optimizer(1e-3, 1000, 10, 0.1, 1.0)
-  state = st.init_state(model, tx, 0, args.size)
-  step = jax.jit(st.make_train_step(model, tx, 0), donate_argnums=0)
-  batch = task.zeros_batch(args.batch_size, args.size)
+  import jax
+
+  from bench import zoo
+  from configs import load_config
+
+  c = zoo.case(load_config(args.config).model, args.batch_size, args.size)
+  policy = c.policy(args.policy)
+  step = jax.jit(c.train_step(policy).step, donate_argnums=0)
+  state, batch = c.real_step_args()
   for _ in range(2):
     state, loss = step(state, batch)
   jax.block_until_ready(loss)

@@ -1,0 +1,178 @@
+"""Memory, residuals, recompute FLOPs and time of a zoo model's train step per policy: ``python -m bench.report``.
+
+Compile only by default: inputs are abstract, nothing is allocated, so shapes far
+larger than the machine can be planned, for the local CPU backend or for an
+H100/H200 target (``--target``). The figures and the table are remat's
+(:mod:`remat.measuring`, :mod:`remat.table`; defined in docs/measuring.md); the
+backend or target that produced them is printed and written to the JSON. For
+your own function use ``python -m remat.report --fn``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+
+from bench import zoo
+from bench.device_peak import measured_device_peak
+from bench.sweep import depth_sweep, resolution_sweep
+from remat import PolicyError, measuring, table
+from remat.memory import format_bytes
+from remat.policies import registered_specs
+from remat.sweep import SWEEP_POLICIES, format_sweep, plot_sweep
+from remat.targets import TARGETS, Target, TargetError, get_target, prefer_cpu_without_gpu
+
+PROG = 'bench.report'
+MODELS = tuple(zoo.FAMILIES)
+
+
+def parse_specs(text: str | None, default: tuple[str, ...], tags: list[str]) -> list[str]:
+  """--policies: None (the default set), 'all', or specs split on ',' (on ';' when one holds ',')."""
+  if text is None:
+    specs = list(default)
+  elif text == 'all':
+    specs = registered_specs(tags[:3], model_tags=tags) + ['sqrt', 'full@sqrt', 'stage']
+  else:
+    specs = [s.strip() for s in (text.split(';') if ';' in text else text.split(',')) if s.strip()]
+  return ['none'] + [s for s in specs if s != 'none']
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog=f'python -m {PROG}', description=__doc__.splitlines()[0])
+  p.add_argument('--model', default=None,
+                 help=f"model family: {', '.join(MODELS)} (default: the config's, else gpt)")
+  p.add_argument('--config', default=None,
+                 help='named config (configs/*.json; default: tiny, vit-tiny or resnet-tiny)')
+  p.add_argument('--batch-size', type=int, default=8)
+  p.add_argument('--seq-len', type=int, default=128, help='gpt: tokens per sequence')
+  p.add_argument('--image-size', type=int, default=None,
+                 help="vit/resnet: image side in pixels (default: the config's)")
+  p.add_argument('--policies', default=None,
+                 help="'all', or specs separated by ',' (by ';' when a spec holds ','); "
+                      'default: a set chosen per model family')
+  p.add_argument('--target', default='cpu', help=f"compile for: {', '.join(TARGETS)}")
+  p.add_argument('--time', action='store_true',
+                 help='also run each step (median of 5 after 2 warm-up; local backend only)')
+  p.add_argument('--device-peak', action='store_true',
+                 help="also run each step in a fresh process on the attached GPU and read the "
+                      "allocator's peak_bytes_in_use (needs a GPU)")
+  p.add_argument('--json', metavar='FILE', help='write every figure and the environment as JSON')
+  p.add_argument('--plot', metavar='FILE', help='write a PNG of memory against recompute')
+  p.add_argument('--sweep', metavar='depth=N,N,...|resolution=S,S,...',
+                 help=f"depth (or, for vit/resnet, image-side) sweep of {', '.join(SWEEP_POLICIES)} "
+                      'instead of the policy table')
+  return p
+
+
+def _check(args):
+  """Resolves (named config, family, size) from --model/--config and the shape flags."""
+  from configs import load_config
+  if args.model is not None and args.model not in MODELS:
+    raise ValueError(f"unknown model '{args.model}'; valid: {', '.join(MODELS)}")
+  named = load_config(args.config or zoo.FAMILIES[args.model or 'gpt'].default_config)
+  if args.model is not None and named.arch != args.model:
+    raise ValueError(f'--model {args.model} does not match config {named.name} (a {named.arch} model)')
+  fam = zoo.FAMILIES[named.arch]
+  if fam.vision:
+    size = args.image_size or named.model.image_size
+  else:
+    if args.image_size is not None:
+      raise ValueError(f'--image-size applies to vit and resnet; {named.name} is a gpt config')
+    size = args.seq_len
+  for name, value in (('batch-size', args.batch_size),
+                      ('image-size' if fam.vision else 'seq-len', size)):
+    if value < 1:
+      raise ValueError(f'--{name} must be >= 1, got {value}')
+  zoo.case(named.model, args.batch_size, size)  # one-line error if the size does not fit
+  return named, fam, size
+
+
+def _parse_sweep(text: str, fam: zoo.Family) -> tuple[str, list[int]]:
+  kind, _, values = text.partition('=')
+  try:
+    values = sorted({int(v) for v in values.split(',') if v.strip()})
+  except ValueError:
+    values = []
+  if kind not in fam.sweeps or len(values) < 2 or min(values) < 1:
+    forms = ' or '.join(f'{k}={"S" if k == "resolution" else "N"},...' for k in fam.sweeps)
+    raise ValueError(f"--sweep '{text}': expected {forms} with at least two values >= 1")
+  if kind == 'depth' and fam.depths is not None:
+    if any(v not in fam.depths for v in values):
+      raise ValueError(f"--sweep '{text}': ResNet depths must be standard ones: "
+                       f"{', '.join(map(str, fam.depths))}")
+  return kind, values
+
+
+def _sweep_report(args, named, fam, size, target, header) -> dict:
+  kind, values = _parse_sweep(args.sweep, fam)
+  if kind == 'depth':
+    sweep = depth_sweep(named.model, values, args.batch_size, size, target)
+  else:
+    sweep = resolution_sweep(named.model, values, args.batch_size, target)
+  print(format_sweep(sweep, header))
+  if args.plot:
+    plot_sweep(sweep, args.plot, header.lstrip('# '))
+  return {'sweep': sweep}
+
+
+def _policy_report(args, named, fam, size, target, header) -> dict:
+  if args.device_peak and jax.default_backend() != 'gpu':
+    raise ValueError(f'--device-peak needs an attached GPU; the {jax.default_backend()} '
+                     'backend keeps no peak memory statistics')
+  case = zoo.case(named.model, args.batch_size, size)
+  tags = sorted(case.tags())
+  policies = measuring.resolve_policies(parse_specs(args.policies, fam.policies, tags), set(tags),
+                                        case.num_layers)  # one-line errors before any compile
+  example_args = case.step_args()
+  results, peaks = {}, {}
+  from tqdm import tqdm
+  for policy in tqdm(policies, desc='compiling', unit='policy', file=sys.stderr):
+    results[policy.spec] = measuring.measure_policy(
+        case.train_step(policy), *example_args, spec=policy.spec, target=target, time=args.time,
+        time_args=case.real_step_args() if args.time else None)
+    if args.device_peak:
+      peaks[policy.spec] = measured_device_peak(named.name, policy.spec, args.batch_size,
+                                                size)['peak_bytes']
+  rows = measuring.Report(results, target).rows()
+  for r in rows:
+    r['measured_device_peak'] = peaks.get(r['policy'])
+  print(table.format_table(rows, header, args.time))
+  if peaks:
+    print('# measured device peak (allocator peak_bytes_in_use, fresh process each): ' + ', '.join(
+        f"{r['policy']} {format_bytes(r['measured_device_peak'] or 0)}" for r in rows))
+  print('\n'.join(table.footer(rows, target.name)))
+  if args.plot:
+    table.plot_front(rows, args.plot, header.lstrip('# '))
+  return {'policies': rows}
+
+
+def main(argv=None) -> int:
+  prefer_cpu_without_gpu()
+  args = build_parser().parse_args(argv)
+  try:
+    named, fam, size = _check(args)
+    target: Target = get_target(args.target)
+    shape = {'image_size': size} if fam.vision else {'seq_len': size}
+    env = {'jax': jax.__version__, 'backend': jax.default_backend(), 'target': target.name,
+           'device': target.description, 'model': fam.arch, 'config': named.name,
+           'batch_size': args.batch_size, **shape, 'dtype': 'float32'}
+    what = 'loss gradient (no optimizer)' if args.sweep else 'train step'
+    dims = f'image {size}x{size}' if fam.vision else f'seq {size}'
+    if args.sweep and args.sweep.startswith('resolution'):
+      dims = 'image SxS'
+    header = (f'# {what}, {fam.arch} {named.name}, batch {args.batch_size} x {dims}, '
+              f'float32, target {target.name} ({target.description}), compile only'
+              f'{" + timed on the local backend" if args.time else ""} (jax {jax.__version__})')
+    body = (_sweep_report if args.sweep else _policy_report)(args, named, fam, size, target, header)
+  except (PolicyError, TargetError, ValueError, RuntimeError) as e:
+    print(f'{PROG}: error: {e}', file=sys.stderr)
+    return 2
+  if args.json:
+    table.write_json(args.json, env, body)
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,201 @@
+"""The model zoo as programs for :mod:`remat.measuring`: one adapter per model family, one table.
+
+A zoo case is a model config at a batch size and a size (the sequence length for
+GPT, the image side for ViT and ResNet). For a policy it gives what ``remat``
+measures: the whole train step (forward, backward, AdamW; the state donated),
+or the loss alone for the activation-memory sweeps. Everything here is built
+from ``training`` (the task, optimizer and train step that ``train.py`` runs),
+so the report measures the step that training compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+
+from configs import DEFAULT_CONFIG
+from models.resnet import DEPTHS as RESNET_DEPTHS, ResNetConfig
+from remat import Policy, get_policy
+from remat import measuring
+from remat.measuring import Measurement, TrainStep
+from remat.memory import MemoryStats
+from remat.targets import Target
+from training import steps as st
+from training.tasks import Task
+
+# The optimizer every measured step uses: AdamW, peak lr 1e-3 (10 warm-up steps of 1000),
+# weight decay 0.1, global-norm clip 1.0 (baselines.compare matches its torch side to this).
+OPTIMIZER = dict(lr=1e-3, steps=1000, warmup_steps=10, weight_decay=0.1, grad_clip=1.0)
+
+_TRANSFORMER_POLICIES = ('none', 'full', 'dots', 'dots_no_batch', 'sqrt', 'full@sqrt', 'minimal',
+                         'save_qkv_proj', 'save_dot_except_mlp', 'qkv_proj_offloaded')
+
+
+def _same_width_at_depth(cfg, n: int):
+  return dataclasses.replace(cfg, num_layers=n)
+
+
+def _resnet_at_depth(cfg: ResNetConfig, n: int) -> ResNetConfig:
+  keep = {f: getattr(cfg, f) for f in ('embedding_size', 'num_classes', 'channels',
+                                       'image_size', 'bn_momentum', 'bn_eps')}
+  return ResNetConfig.from_depth(n, **keep)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """What the report needs to know about one model family.
+
+  Attributes:
+    arch: 'gpt', 'vit' or 'resnet' (``training.tasks.Task.arch``).
+    policies: the report's default policy set.
+    vision: True when the size is an image side (else a sequence length).
+    at_depth: ``at_depth(cfg, n)``: the config with ``n`` layers (depth sweeps).
+    depths: the depths a sweep may take, or None for any.
+  """
+  arch: str
+  policies: tuple[str, ...]
+  vision: bool
+  at_depth: Callable[[Any, int], Any]
+  depths: tuple[int, ...] | None = None
+
+  @property
+  def default_config(self) -> str:
+    return DEFAULT_CONFIG[self.arch]
+
+  @property
+  def sweeps(self) -> tuple[str, ...]:
+    """Sweep kinds: depth, and for vision models the image side."""
+    return ('depth', 'resolution') if self.vision else ('depth',)
+
+
+FAMILIES = {f.arch: f for f in (
+    Family('gpt', _TRANSFORMER_POLICIES, False, _same_width_at_depth),
+    Family('vit', _TRANSFORMER_POLICIES, True, _same_width_at_depth),
+    Family('resnet', ('none', 'full', 'dots', 'dots_no_batch', 'convs', 'save_conv_narrow',
+                      'sqrt', 'full@sqrt', 'stage', 'full@stage', 'offload:conv1,conv2'),
+           True, _resnet_at_depth, tuple(RESNET_DEPTHS)),
+)}
+
+
+def family(model_cfg) -> Family:
+  """The adapter of a GPTConfig, ViTConfig or ResNetConfig."""
+  return FAMILIES[Task(model_cfg).arch]
+
+
+def _optimizer():
+  return st.make_optimizer(**OPTIMIZER)
+
+
+def _loss(task: Task, model):
+  """The train-mode loss (dropout on, BatchNorm on batch statistics) as loss(params, (state, batch))."""
+  def loss(params, inputs):
+    return task.loss(model, params, inputs[0], inputs[1], jax.random.PRNGKey(0))[0]
+  return loss
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One model config at one batch shape; ``task`` is already at ``size``."""
+  task: Task
+  batch_size: int
+  size: int
+
+  @property
+  def num_layers(self) -> int:
+    return self.task.num_layers
+
+  def tags(self) -> set[str]:
+    """The checkpoint names the model emits (what names:/offload: specs are checked against)."""
+    return self.task.emitted_tags(self.size)
+
+  def step_args(self):
+    """Abstract ``(state, batch)`` of the train step; nothing is allocated."""
+    return st.abstract_inputs(self.task.model('none'), _optimizer(), self.batch_size, self.size)
+
+  def real_step_args(self):
+    """The initial train state and an all-zero batch, allocated (for timing)."""
+    model = self.task.model('none')
+    return (st.init_state(model, _optimizer(), 0, self.size),
+            self.task.zeros_batch(self.batch_size, self.size))
+
+  def train_step(self, policy: Policy) -> TrainStep:
+    """The train step under ``policy``, with the loss it differentiates."""
+    model, tx = self.task.model(policy), _optimizer()
+    return TrainStep(st.make_train_step(model, tx, 0), _loss(self.task, model),
+                     lambda state, batch: (state.params, (state.model_state, batch)))
+
+  def loss_args(self):
+    """Abstract ``(params, (model_state, batch))`` of the loss."""
+    state, batch = self.step_args()
+    return state.params, (state.model_state, batch)
+
+  def loss(self, policy: Policy):
+    """The loss alone under ``policy``: ``loss(params, (model_state, batch))``."""
+    return _loss(self.task, self.task.model(policy))
+
+  def policy(self, spec: str | Policy) -> Policy:
+    return get_policy(spec, num_layers=self.num_layers)
+
+
+def case(model_cfg, batch_size: int, size: int) -> Case:
+  """The zoo case; one-line ValueError when ``size`` does not fit the model."""
+  return Case(Task(model_cfg).at_size(size), batch_size, size)
+
+
+def measure(model_cfg, spec: str | Policy, batch_size: int, size: int, target: Target,
+            run: bool = False, time_steps: int = 5) -> Measurement:
+  """Measures the train step (forward, backward, AdamW; state donated) under ``spec``.
+
+  Args:
+    model_cfg: a GPTConfig, ViTConfig or ResNetConfig.
+    spec: the policy.
+    batch_size, size: the batch shape; size is the sequence length (GPT) or
+      the image side (vision).
+    target: where to compile for (:func:`remat.targets.get_target`).
+    run: also time the step on a freshly initialised state (local backend only).
+    time_steps: timed steps after 2 warm-up steps.
+  """
+  c = case(model_cfg, batch_size, size)
+  policy = c.policy(spec)
+  return measuring.measure_policy(c.train_step(policy), *c.step_args(), spec=policy.spec,
+                                  target=target, time=run, time_steps=time_steps,
+                                  time_args=c.real_step_args() if run else None)
+
+
+def step_memory(model_cfg, spec: str | Policy, batch_size: int, size: int,
+                target: Target) -> MemoryStats:
+  """Compiled memory of the train step alone (no FLOP or residual walk)."""
+  c = case(model_cfg, batch_size, size)
+  return measuring.step_memory(c.train_step(c.policy(spec)), *c.step_args(), target=target)
+
+
+def step_flops(model_cfg, spec: str | Policy, batch_size: int, size: int):
+  """Matmul/conv FLOPs of the train step, recompute included (jaxpr walk, nothing compiled)."""
+  c = case(model_cfg, batch_size, size)
+  return measuring.step_flops(c.train_step(c.policy(spec)), *c.step_args())
+
+
+def grad_memory(model_cfg, spec: str | Policy, batch_size: int, size: int,
+                target: Target) -> MemoryStats:
+  """Compiled memory of the loss gradient alone (no optimizer update).
+
+  Parameters are arguments and their gradients outputs, so ``temp`` is the
+  activation memory: saved residuals, recompute working sets and transient
+  buffers, without the O(N) gradient and optimizer buffers of the train step.
+  """
+  c = case(model_cfg, batch_size, size)
+  return measuring.step_memory(c.loss(c.policy(spec)), *c.loss_args(), target=target)
+
+
+def local_step(model_cfg, spec: str | Policy, batch_size: int, size: int):
+  """The train step compiled for the local backend, with real inputs to run it on.
+
+  Returns:
+    ``(compiled, state, batch)``: call ``compiled(state, batch) -> (state, loss)``
+    (the state is donated, so pass the returned one to the next call).
+  """
+  c = case(model_cfg, batch_size, size)
+  compiled = measuring.compile_step(c.train_step(c.policy(spec)), *c.step_args(), target='cpu')
+  return (compiled, *c.real_step_args())

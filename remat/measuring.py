@@ -1,0 +1,258 @@
+"""Measure any function under a list of policies: ``remat.measure(build, *example_args, ...)``.
+
+``build(policy) -> program`` is the user's code for one policy, and the
+example arguments (arrays or ``jax.ShapeDtypeStruct``) are shared by every
+policy. The program is one of:
+
+* a **loss** ``loss(*args) -> scalar``: measured as ``jax.value_and_grad(loss)``
+  with respect to the first argument, jitted, nothing donated. ``temp`` is then
+  the activation memory (residuals, recompute working sets, transients) without
+  any optimizer.
+* a :class:`TrainStep`: a whole step (forward, backward, optimizer update) that
+  donates its first argument (the train state); its loss is given too, since the
+  residuals are read from the loss's VJP. The model-zoo report measures this.
+
+Everything except time is compile only on abstract inputs, so shapes far larger
+than the machine can be planned, for the local backend or for an H100/H200
+target (:mod:`remat.targets`). Figures: :mod:`remat.memory`,
+:mod:`remat.residuals`, :mod:`remat.flops`; the table: :mod:`remat.table`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+import time as _time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from remat.flops import FlopCount, count_flops
+from remat.memory import MemoryStats, compiled_memory
+from remat.policies import Policy, get_policy
+from remat.residuals import Residual, saved_residuals
+from remat.table import rows as table_rows, format_table, pareto_front
+from remat.tags import emitted_tags
+from remat.targets import Target, get_target
+
+# For a function we know nothing about: the per-layer rules that need no tags or stack.
+DEFAULT_POLICIES = ('none', 'full', 'dots', 'dots_no_batch')
+
+
+def _default_loss_args(state, *rest):
+  return (state.params, *rest)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStep:
+  """A whole train step to measure instead of the gradient of a loss.
+
+  Attributes:
+    step: ``step(state, *rest) -> (new_state, ...)``; compiled with ``state``
+      donated and FLOP-counted as is. Timing feeds ``new_state`` back in.
+    loss: ``loss(params, *more) -> scalar``, the loss the step differentiates;
+      the residuals are those of its VJP with respect to ``params``.
+    loss_args: maps the step's arguments to the loss's, e.g.
+      ``lambda state, batch: (state.params, batch)`` (the default).
+  """
+  step: Callable
+  loss: Callable
+  loss_args: Callable = _default_loss_args
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+  """What one policy's program costs (definitions in remat.memory / flops / residuals)."""
+  spec: str
+  memory: MemoryStats
+  flops: FlopCount
+  residuals: tuple[Residual, ...]
+  step_seconds: float | None = None
+
+  @property
+  def residual_bytes(self) -> int:
+    return sum(r.nbytes for r in self.residuals)
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+  """Measurements of every policy, ``none`` first; ratios are to ``none``.
+
+  Attributes:
+    results: spec -> :class:`Measurement`, in the order measured.
+    target: the :class:`remat.targets.Target` compiled for.
+  """
+  results: dict[str, Measurement]
+  target: Target
+
+  @property
+  def timed(self) -> bool:
+    return all(m.step_seconds is not None for m in self.results.values())
+
+  @property
+  def front(self) -> set[str]:
+    """Specs on the Pareto front of (temp, recompute FLOPs)."""
+    return pareto_front({s: (m.memory.temp, m.flops.flops) for s, m in self.results.items()})
+
+  def rows(self) -> list[dict]:
+    """One JSON-ready row per policy (:func:`remat.table.rows`)."""
+    return table_rows(self.results)
+
+  def table(self, header: str | None = None) -> str:
+    """The text table the reports print (:func:`remat.table.format_table`)."""
+    header = header or f'# target {self.target.name} ({self.target.description})'
+    return format_table(self.rows(), header, self.timed)
+
+
+def _abstract(tree):
+  """ShapeDtypeStructs of every array leaf (other leaves, e.g. Python scalars, as they are)."""
+  return jax.tree_util.tree_map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, 'shape') and hasattr(
+          a, 'dtype') else a, tree)
+
+
+def _concrete(tree, copy: bool):
+  """Arrays for running: zeros for abstract leaves; copies of arrays that will be donated."""
+  def leaf(a):
+    if isinstance(a, jax.ShapeDtypeStruct):
+      return jnp.zeros(a.shape, a.dtype)
+    return jnp.array(a, copy=True) if copy and hasattr(a, 'shape') else a
+  return jax.tree_util.tree_map(leaf, tree)
+
+
+def _parts(program, args):
+  """(compiled function, donate_argnums, residual (loss, *loss_args)) of a loss or TrainStep."""
+  if isinstance(program, TrainStep):
+    return program.step, (0,), (program.loss, *program.loss_args(*args))
+  if not callable(program):
+    raise TypeError(f'build(policy) must return a loss function or a TrainStep, got '
+                    f'{type(program).__name__}')
+  return jax.value_and_grad(program), (), (program, *args)
+
+
+def compile_step(program, *example_args, target: Target | str = 'cpu'):
+  """AOT-compiles ``program`` (a loss's value_and_grad, or a TrainStep) for ``target``."""
+  target = get_target(target) if isinstance(target, str) else target
+  fn, donate, _ = _parts(program, example_args)
+  args = target.place(_abstract(example_args))
+  return jax.jit(fn, donate_argnums=donate).lower(*args).compile(
+      compiler_options=target.compiler_options or None)
+
+
+def step_memory(program, *example_args, target: Target | str = 'cpu') -> MemoryStats:
+  """Compiled memory of ``program`` alone (no FLOP or residual walk)."""
+  target = get_target(target) if isinstance(target, str) else target
+  return compiled_memory(compile_step(program, *example_args, target=target), target.name)
+
+
+def step_flops(program, *example_args) -> FlopCount:
+  """Matmul/conv FLOPs of ``program``, recompute included (jaxpr walk, nothing compiled)."""
+  fn, _, _ = _parts(program, example_args)
+  return count_flops(fn, *_abstract(example_args))
+
+
+def step_residuals(program, *example_args) -> tuple[Residual, ...]:
+  """Arrays the loss's VJP keeps for the backward pass (:func:`remat.residuals.saved_residuals`)."""
+  _, _, (loss, params, *rest) = _parts(program, _abstract(example_args))
+  return tuple(saved_residuals(loss, params, *rest))
+
+
+def time_step(compiled, args: Sequence[Any], donated: bool, steps: int = 5,
+              warmup: int = 2) -> float:
+  """Median seconds of ``steps`` calls of ``compiled(*args)`` after ``warmup`` calls.
+
+  With ``donated``, the first argument is donated and replaced by the first output.
+  """
+  args, times = list(args), []
+  for i in range(warmup + steps):
+    t = _time.perf_counter()
+    out = compiled(*args)
+    jax.block_until_ready(out)
+    if i >= warmup:
+      times.append(_time.perf_counter() - t)
+    if donated:
+      args[0] = out[0]
+  return statistics.median(times)
+
+
+def measure_policy(program, *example_args, spec: str, target: Target | str = 'cpu',
+                   time: bool = False, time_steps: int = 5,
+                   time_args: Sequence[Any] | None = None) -> Measurement:
+  """Measures one already-built program; ``spec`` only labels the result.
+
+  ``time_args``: arrays to time on, consumed as they are (a TrainStep donates
+  the first); by default zeros of the example shapes, and copies of example
+  arrays that would be donated.
+  """
+  target = get_target(target) if isinstance(target, str) else target
+  compiled = compile_step(program, *example_args, target=target)
+  seconds = None
+  if time:
+    if target.sharding is not None:
+      raise ValueError(f'--time runs the step, which needs an attached {target.name}; '
+                       'time on the local backend (--target cpu) instead')
+    donated = isinstance(program, TrainStep)
+    args = time_args if time_args is not None else [
+        _concrete(a, copy=donated and i == 0) for i, a in enumerate(example_args)]
+    seconds = time_step(compiled, args, donated, time_steps)
+  return Measurement(spec, compiled_memory(compiled, target.name),
+                     step_flops(program, *example_args),
+                     step_residuals(program, *example_args), seconds)
+
+
+def program_tags(build: Callable, *example_args) -> set[str]:
+  """The ``checkpoint_name`` tags the program of ``build('none')`` emits (traced, nothing run)."""
+  fn, _, _ = _parts(build(get_policy('none')), example_args)
+  return emitted_tags(fn, *_abstract(example_args))
+
+
+def resolve_policies(specs: Sequence[str | Policy], tags: set[str] | None = None,
+                     num_layers: int | None = None) -> list[Policy]:
+  """Policies for ``specs`` with ``none`` first; one-line :class:`PolicyError` before any compile."""
+  policies = [get_policy(s, num_layers=num_layers, tags=tags) for s in specs]
+  rest = [p for p in policies if p.spec != 'none']
+  return [get_policy('none')] + list({p.spec: p for p in rest}.values())
+
+
+def measure(build: Callable[[Policy], Any], *example_args,
+            policies: Sequence[str | Policy] = DEFAULT_POLICIES,
+            target: Target | str = 'cpu', time: bool = False, time_steps: int = 5,
+            num_layers: int | None = None, progress: bool = False) -> Report:
+  """Compiles and measures ``build(policy)`` for every policy; ``none`` is always measured first.
+
+  Args:
+    build: ``build(policy) -> program``: a loss ``loss(*args) -> scalar``
+      (measured as its ``value_and_grad`` w.r.t. the first argument) or a
+      :class:`TrainStep`. ``policy`` is a :class:`remat.Policy`; use
+      ``policy.jax_policy`` in ``jax.checkpoint``, or pass it to ``LayerStack``.
+    *example_args: the program's arguments, arrays or ``jax.ShapeDtypeStruct``;
+      compiled abstractly, and zero-filled where ``time`` needs values.
+    policies: specs or :class:`remat.Policy` objects (``none`` is added).
+    target: 'cpu' (the local backend), 'h100' or 'h200', or a Target.
+    time: also run each program (median of ``time_steps`` after 2 warm-up
+      calls; local backend only).
+    time_steps: timed calls per policy.
+    num_layers: if given, ``seg:K`` specs are checked against it.
+    progress: a tqdm progress bar on stderr.
+
+  Returns:
+    A :class:`Report`: ``results`` per spec, ``front``, ``rows()``, ``table()``.
+
+  Raises:
+    PolicyError: an unknown spec, or a ``names:``/``offload:`` tag the program
+      does not emit (one line; checked before anything compiles).
+    TargetError: an unknown target, or a GPU target without the plugin.
+  """
+  target = get_target(target) if isinstance(target, str) else target
+  tags = program_tags(build, *example_args)
+  todo = resolve_policies(policies, tags, num_layers)
+  if progress:
+    from tqdm import tqdm
+    todo = tqdm(todo, desc='compiling', unit='policy', file=sys.stderr)
+  results = {}
+  for policy in todo:
+    results[policy.spec] = measure_policy(build(policy), *example_args, spec=policy.spec,
+                                          target=target, time=time, time_steps=time_steps)
+  return Report(results, target)

@@ -1,0 +1,84 @@
+"""remat.measure on a user's own function: the table, memory order, exact FLOP ratios, residuals."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import remat
+import user_mlp
+from remat.measuring import TrainStep
+from user_mlp import B, D, H, L
+
+# The forward of every layer: h @ w1 and tanh(.) @ w2, each 2 B D H FLOPs.
+UP = L * 2 * B * D * H
+FORWARD = 2 * UP
+
+
+@pytest.fixture(scope='module')
+def report():
+  return remat.measure(user_mlp.build, *user_mlp.example_args(),
+                       policies=['full', 'dots', 'names:up'])
+
+
+def test_table_for_a_user_function(report):
+  assert list(report.results) == ['none', 'full', 'dots', 'names:up']
+  text = report.table()
+  assert text.splitlines()[0] == '# target cpu (local cpu backend)'
+  assert all(spec in text for spec in report.results)
+  rows = {r['policy']: r for r in report.rows()}
+  assert rows['none']['memory_ratio'] == 1.0 and rows['none']['recompute_ratio'] == 1.0
+  assert report.front == {r for r, row in rows.items() if row['pareto']}
+
+
+def test_full_uses_less_temp_than_none(report):
+  assert report.results['full'].memory.temp < report.results['none'].memory.temp
+
+
+def test_flops_exact(report):
+  # Without remat: the forward (2 matmuls a layer) and the backward (2 matmuls per forward
+  # matmul: one for the input's gradient, one for the weight's) = 3 forwards.
+  flops = {s: m.flops.flops for s, m in report.results.items()}
+  assert flops['none'] == 3 * FORWARD
+  # full recomputes what the backward needs: up = h @ w1 (tanh's and w2's gradients need
+  # tanh(up)). The down matmul's output feeds only the residual add, whose gradient needs no
+  # value, so JAX does not recompute it: half a forward more, not a whole one.
+  assert flops['full'] == 3 * FORWARD + UP
+  # dots and names:up recompute no matmul (up is saved; tanh(up) is rebuilt by a tanh).
+  assert flops['dots'] == flops['names:up'] == flops['none']
+  assert all(m.flops.exact for m in report.results.values())
+
+
+def test_residuals_by_tag(report):
+  from remat.residuals import by_tag
+  tags = by_tag(list(report.results['names:up'].residuals))
+  assert tags['up'] == L * B * H * 4          # one [B, H] float32 per layer, stacked
+  assert 'down' not in tags
+  assert 'up' not in by_tag(list(report.results['full'].residuals))
+
+
+def test_unknown_tag_is_one_line_before_compiling():
+  with pytest.raises(remat.PolicyError, match=r"unknown tag\(s\) qkv; this model emits: down, up"):
+    remat.measure(user_mlp.build, *user_mlp.example_args(), policies=['names:qkv'])
+
+
+def _sgd(policy):
+  """A whole train step (SGD on a dict state) around the same loss; donates the state."""
+  loss = user_mlp.build(policy)
+
+  def step(state, x):
+    value, grads = jax.value_and_grad(loss)(state['params'], x)
+    params = jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, state['params'], grads)
+    return {'params': params}, value
+  return TrainStep(step, loss, loss_args=lambda state, x: (state['params'], x))
+
+
+def test_train_step_donates_and_times_on_real_arrays():
+  params, x = user_mlp.example_args()
+  state = {'params': jax.tree_util.tree_map(lambda s: jnp.full(s.shape, 0.01, s.dtype), params)}
+  x = jnp.ones(x.shape, x.dtype)
+  report = remat.measure(_sgd, state, x, policies=['full'], time=True, time_steps=1)
+  none, full = report.results['none'], report.results['full']
+  assert none.memory.alias > 0                     # the state was donated
+  assert full.flops.flops == 3 * FORWARD + UP      # the SGD update has no matmul
+  assert none.step_seconds > 0 and full.step_seconds > 0 and report.timed
+  assert float(state['params'][0][0, 0, 0]) == pytest.approx(0.01)  # the caller's arrays survive

@@ -1,0 +1,43 @@
+"""A user's own model, written in plain JAX: a residual MLP of L layers in ``lax.scan``.
+
+Nothing of the model zoo: the tests measure it with ``remat.measure`` and
+``python -m remat.report --fn user_mlp:factory``. Each layer is
+``h + tanh(h @ w1) @ w2`` with its two matmul outputs tagged ``up`` and ``down``.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+L, B, D, H = 16, 64, 32, 128   # layers, batch, width, hidden width (4 D: activations dominate)
+
+
+def build(policy):
+  """The loss under ``policy``: each scanned layer in jax.checkpoint with its rule (or not)."""
+  def layer(h, w):
+    w1, w2 = w
+    up = checkpoint_name(h @ w1, 'up')
+    return h + checkpoint_name(jnp.tanh(up) @ w2, 'down'), None
+  if policy.remat_layers:
+    layer = jax.checkpoint(layer, policy=policy.jax_policy, prevent_cse=False)
+
+  def loss(params, x):
+    h, _ = jax.lax.scan(layer, x, params)
+    return jnp.mean(h ** 2)
+  return loss
+
+
+def example_args():
+  """Abstract (params, x): nothing is allocated."""
+  f32 = jnp.float32
+  params = (jax.ShapeDtypeStruct((L, D, H), f32), jax.ShapeDtypeStruct((L, H, D), f32))
+  return params, jax.ShapeDtypeStruct((B, D), f32)
+
+
+def factory():
+  """What ``--fn user_mlp:factory`` calls."""
+  return build, example_args()
+
+
+def not_a_pair():
+  return build
