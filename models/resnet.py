@@ -240,10 +240,13 @@ class ResNet(nn.Module):
       stride = 1 if s == 0 else 2
       first = dict(config=cfg, features=features, stride=stride, train=train,
                    shortcut=width != features or stride != 1)
-      x = LayerStack(Block, 1, policy, block_kwargs=first, name=f'stages_{s}_first')(x)
+      # Only some stacks emit 'shortcut': tags are checked model-wide (Task.emitted_tags).
+      x = LayerStack(Block, 1, policy, block_kwargs=first, check_tags=False,
+                     name=f'stages_{s}_first')(x)
       if depth > 1:
         rest = dict(config=cfg, features=features, train=train)
-        x = LayerStack(Block, depth - 1, policy, block_kwargs=rest, name=f'stages_{s}_layers')(x)
+        x = LayerStack(Block, depth - 1, policy, block_kwargs=rest, check_tags=False,
+                       name=f'stages_{s}_layers')(x)
       width = features
     x = jnp.mean(x, axis=(1, 2))
     return nn.Dense(cfg.num_classes, name='classifier')(x)

@@ -39,7 +39,7 @@ class NNXStack(nnx.Module):
   """
 
   def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], num_layers: int,
-               policy: Policy | str = 'none', *, rngs: nnx.Rngs):
+               policy: Policy | str = 'none', *, rngs: nnx.Rngs, check_tags: bool = True):
     """Creates the stack.
 
     Args:
@@ -50,11 +50,15 @@ class NNXStack(nnx.Module):
       num_layers: N >= 1.
       policy: a :class:`~remat.policies.Policy` or a spec such as ``'full@sqrt'``.
       rngs: split N ways for the layers' initialisation.
+      check_tags: check ``names:``/``offload:`` tags against what the block
+        emits (False for a model whose stacks emit different tags; see
+        :class:`remat.LayerStack`).
 
     Raises:
       PolicyError: a bad spec or a segment size outside 1..N.
     """
     self.num_layers = num_layers
+    self.check_tags = check_tags
     self.policy = check_policy(policy, num_layers)
 
     @nnx.split_rngs(splits=num_layers)
@@ -97,7 +101,8 @@ class NNXStack(nnx.Module):
 
     xs = (params, rest, keys)
     (_, (aux, _)), tags = trace_layer(step, x, jax.tree_util.tree_map(lambda a: a[0], xs))
-    check_policy(policy, n, tags if policy.rule in ('names', 'offload') else None)
+    tag_rule = self.check_tags and policy.rule in ('names', 'offload')
+    check_policy(policy, n, tags if tag_rule else None)
     y, (auxs, new_rest) = segmented_scan(step, x, xs, n, policy)
     nnx.update(self.layers, new_rest)
     return y if aux is None else (y, auxs)

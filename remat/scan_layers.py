@@ -216,7 +216,8 @@ _EXPECTS = ('scan_layers calls layer_fn(params, x, *args[, rng=key]) -> y or (y,
 
 
 def scan_layers(layer_fn: Callable, stacked_params, x, *args, policy: Policy | str = 'none',
-                rng: jax.Array | None = None, num_layers: int | None = None):
+                rng: jax.Array | None = None, num_layers: int | None = None,
+                check_tags: bool = True):
   """Applies N layers that share one function and have stacked parameters, under ``policy``.
 
   Args:
@@ -231,6 +232,9 @@ def scan_layers(layer_fn: Callable, stacked_params, x, *args, policy: Policy | s
     rng: one key; layer i gets the i-th of ``jax.random.split(rng, N)``,
       whatever the segmenting.
     num_layers: N, if ``stacked_params`` is empty.
+    check_tags: check ``names:``/``offload:`` tags against what the layer
+      emits (False for a model whose stacks emit different tags; see
+      :class:`remat.LayerStack`).
 
   Returns:
     ``y``, or ``(y, aux)`` with every layer's ``aux`` stacked ``[N, ...]``
@@ -255,6 +259,7 @@ def scan_layers(layer_fn: Callable, stacked_params, x, *args, policy: Policy | s
 
   xs = (stacked_params, keys)
   (_, aux), tags = trace_layer(step, x, _first(xs))
-  check_policy(policy, n, tags if policy.rule in ('names', 'offload') else None)
+  tag_rule = check_tags and policy.rule in ('names', 'offload')
+  check_policy(policy, n, tags if tag_rule else None)
   y, auxs = segmented_scan(step, x, xs, n, policy)
   return y if aux is None else (y, auxs)

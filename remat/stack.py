@@ -71,6 +71,10 @@ class LayerStack(nn.Module):
     num_layers: N, any N >= 1 (``sqrt`` with prime N gives a remainder segment).
     policy: a :class:`~remat.policies.Policy` or a spec such as ``'full@sqrt'``.
     block_kwargs: constructor arguments of the block (its config, flags).
+    check_tags: check ``names:``/``offload:`` tags against what this stack's
+      block emits. Set False in a model whose stacks emit different tags (a
+      ResNet's first blocks add ``shortcut``), and check the model's tags once
+      instead: ``get_policy(spec, tags=remat.tags.emitted_tags(model.apply, ...))``.
 
   The stacked variables live under ``<this module>/block``.
   """
@@ -78,6 +82,7 @@ class LayerStack(nn.Module):
   num_layers: int
   policy: Policy | str
   block_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  check_tags: bool = True
 
   @nn.compact
   def __call__(self, x, *args, deterministic: bool = True):
@@ -126,7 +131,8 @@ class LayerStack(nn.Module):
 
     xs = (variables, keys)
     (_, (aux, _)), tags = trace_layer(step, x, jax.tree_util.tree_map(lambda a: a[0], xs))
-    check_policy(policy, n, tags if policy.rule in ('names', 'offload') else None)
+    tag_rule = self.check_tags and policy.rule in ('names', 'offload')
+    check_policy(policy, n, tags if tag_rule else None)
     y, (auxs, new) = segmented_scan(step, x, xs, n, policy)
     for col in mutable:
       self.put_variable(col, 'block', new[col])
