@@ -96,3 +96,8 @@ def test_accepts_a_policy_object_and_no_remat_matches_by_hand():
   p, x = stacked_params(), inputs()
   got = jax.grad(lambda p: jnp.sum(scan_layers(mlp, p, x, policy=get_policy('none')) ** 2))(p)
   assert_trees_close(got, jax.grad(no_remat_loss)(p, x))
+
+
+def test_check_tags_off_for_models_whose_stacks_emit_different_tags():
+  y = scan_layers(mlp, stacked_params(), inputs(), policy='names:shortcut', check_tags=False)
+  assert y.shape == inputs().shape
