@@ -1,6 +1,7 @@
 """Every ```python block of the user docs runs as written."""
 
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -9,18 +10,20 @@ ROOT = Path(__file__).resolve().parents[1]
 # Markdown files whose python blocks must run as is.
 DOC_FILES = ['docs/own-model.md']
 
-_BLOCK = re.compile(r'^```python\n(.*?)^```', re.S | re.M)
+# A fence may be indented (a code block inside a list item).
+_BLOCK = re.compile(r'^([ \t]*)```python\n(.*?)^\1```', re.S | re.M)
 
 
 def _snippets():
   for name in DOC_FILES:
-    for i, match in enumerate(_BLOCK.finditer((ROOT / name).read_text())):
-      line = (ROOT / name).read_text()[:match.start()].count('\n') + 1
-      yield pytest.param(match.group(1), id=f'{name}:{line}')
+    text = (ROOT / name).read_text()
+    for match in _BLOCK.finditer(text):
+      line = text[:match.start()].count('\n') + 1
+      yield pytest.param(textwrap.dedent(match.group(2)), id=f'{name}:{line}')
 
 
 def test_docs_have_snippets():
-  assert len(list(_snippets())) >= 4
+  assert len(list(_snippets())) >= 5
 
 
 @pytest.mark.parametrize('code', _snippets())

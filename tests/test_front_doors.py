@@ -70,3 +70,25 @@ def test_every_spec_gives_the_no_remat_gradients(door):
   for spec in SPECS:
     got = jax.jit(jax.grad(DOORS[door](spec)))(stacked_params(), inputs())
     assert_trees_close(got, want, err_msg=f'{door} {spec}: ')
+
+
+def test_one_iteration_loops_need_the_cpu_options():
+  # Four stacks ('stages') of 4 layers: `stage` checkpoints each stack as one segment, a
+  # loop of one iteration, which XLA CPU inlines and then undoes unless the compile
+  # options turn that pass off (docs/own-model.md: 100% of none without, 61% with).
+  from remat.targets import CPU_COMPILER_OPTIONS
+
+  def loss(spec):
+    def f(p, x):
+      for s in range(4):
+        x = scan_layers(mlp, jax.tree_util.tree_map(lambda a: a[4 * s:4 * s + 4], p), x,
+                        policy=spec)
+      return jnp.sum(x ** 2)
+    return f
+
+  def temp(spec):
+    compiled = jax.jit(jax.grad(loss(spec))).lower(stacked_params(), inputs()).compile(
+        compiler_options=CPU_COMPILER_OPTIONS)
+    return compiled_memory(compiled).temp
+
+  assert temp('stage') < 0.8 * temp('none')
