@@ -39,7 +39,7 @@ class NNXStack(nnx.Module):
   """
 
   def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], num_layers: int,
-               policy: Policy | str = 'none', *, rngs: nnx.Rngs, check_tags: bool = True):
+               policy: Policy | str = 'none', *, rngs: nnx.Rngs, strict: bool = True):
     """Creates the stack.
 
     Args:
@@ -50,16 +50,16 @@ class NNXStack(nnx.Module):
       num_layers: N >= 1.
       policy: a :class:`~remat.policies.Policy` or a spec such as ``'full@sqrt'``.
       rngs: split N ways for the layers' initialisation.
-      check_tags: check ``names:``/``offload:`` tags against what the block
-        emits (False for a model whose stacks emit different tags; see
-        :class:`remat.LayerStack`).
+      strict: check the policy against this stack alone (segment size within
+        1..N, tags the block emits); False for a model whose stacks differ in
+        depth or tags, see :class:`remat.LayerStack`.
 
     Raises:
       PolicyError: a bad spec or a segment size outside 1..N.
     """
     self.num_layers = num_layers
-    self.check_tags = check_tags
-    self.policy = check_policy(policy, num_layers)
+    self.strict = strict
+    self.policy = check_policy(policy, num_layers if strict else None)
 
     @nnx.split_rngs(splits=num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=num_layers)
@@ -101,8 +101,9 @@ class NNXStack(nnx.Module):
 
     xs = (params, rest, keys)
     (_, (aux, _)), tags = trace_layer(step, x, jax.tree_util.tree_map(lambda a: a[0], xs))
-    tag_rule = self.check_tags and policy.rule in ('names', 'offload')
-    check_policy(policy, n, tags if tag_rule else None)
+    tag_rule = self.strict and policy.rule in ('names', 'offload')
+    if tag_rule:
+      policy.validate(tags=tags)
     y, (auxs, new_rest) = segmented_scan(step, x, xs, n, policy)
     nnx.update(self.layers, new_rest)
     return y if aux is None else (y, auxs)

@@ -82,12 +82,12 @@ def segmented_scan(step: Callable, x, xs, num_layers: int, policy: Policy):
     x: the carry (the activations). With N == 1 the layer may change its shape.
     xs: a pytree of per-layer inputs stacked ``[N, ...]`` (may be empty).
     num_layers: N.
-    policy: the policy (checked: segment size within 1..N).
+    policy: the policy; a segment larger than N is one segment of N (the
+      front doors check the size first unless told not to).
 
   Returns:
     ``(x, ys)`` as from ``lax.scan``: ``ys`` stacked ``[N, ...]``.
   """
-  policy.validate(num_layers=num_layers)
   rule = policy._layer_policy()
   size = policy.segment_size(num_layers)
   if num_layers == 1:
@@ -193,9 +193,9 @@ def trace_layer(step: Callable, x, xs_0, static: Any = None):
   return shapes, tags
 
 
-def check_policy(policy, num_layers: int, tags: set[str] | None = None) -> Policy:
+def check_policy(policy, num_layers: int | None, tags: set[str] | None = None) -> Policy:
   """The policy, parsed if a spec, checked against the stack (segment size, emitted tags)."""
-  if num_layers < 1:
+  if num_layers is not None and num_layers < 1:
     raise PolicyError(f'a layer stack needs num_layers >= 1, got {num_layers}')
   return get_policy(policy, num_layers=num_layers, tags=tags)
 
@@ -217,7 +217,7 @@ _EXPECTS = ('scan_layers calls layer_fn(params, x, *args[, rng=key]) -> y or (y,
 
 def scan_layers(layer_fn: Callable, stacked_params, x, *args, policy: Policy | str = 'none',
                 rng: jax.Array | None = None, num_layers: int | None = None,
-                check_tags: bool = True):
+                strict: bool = True):
   """Applies N layers that share one function and have stacked parameters, under ``policy``.
 
   Args:
@@ -232,9 +232,9 @@ def scan_layers(layer_fn: Callable, stacked_params, x, *args, policy: Policy | s
     rng: one key; layer i gets the i-th of ``jax.random.split(rng, N)``,
       whatever the segmenting.
     num_layers: N, if ``stacked_params`` is empty.
-    check_tags: check ``names:``/``offload:`` tags against what the layer
-      emits (False for a model whose stacks emit different tags; see
-      :class:`remat.LayerStack`).
+    strict: check the policy against this stack alone (segment size within
+      1..N, tags the layer emits); False for a model whose stacks differ in
+      depth or tags, see :class:`remat.LayerStack`.
 
   Returns:
     ``y``, or ``(y, aux)`` with every layer's ``aux`` stacked ``[N, ...]``
@@ -246,7 +246,7 @@ def scan_layers(layer_fn: Callable, stacked_params, x, *args, policy: Policy | s
     StackSignatureError: a layer that cannot be called as above.
   """
   n = num_layers if num_layers is not None else num_stacked(stacked_params, 'stacked_params')
-  policy = check_policy(policy, n)
+  policy = check_policy(policy, n if strict else None)
   with_rng = takes_rng(layer_fn)
   rng_kw = {'rng': None} if with_rng else {}
   check_signature(layer_fn, (None, x) + args, rng_kw, _EXPECTS)
@@ -259,7 +259,8 @@ def scan_layers(layer_fn: Callable, stacked_params, x, *args, policy: Policy | s
 
   xs = (stacked_params, keys)
   (_, aux), tags = trace_layer(step, x, _first(xs))
-  tag_rule = check_tags and policy.rule in ('names', 'offload')
-  check_policy(policy, n, tags if tag_rule else None)
+  tag_rule = strict and policy.rule in ('names', 'offload')
+  if tag_rule:
+    policy.validate(tags=tags)
   y, auxs = segmented_scan(step, x, xs, n, policy)
   return y if aux is None else (y, auxs)

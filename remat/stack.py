@@ -71,10 +71,12 @@ class LayerStack(nn.Module):
     num_layers: N, any N >= 1 (``sqrt`` with prime N gives a remainder segment).
     policy: a :class:`~remat.policies.Policy` or a spec such as ``'full@sqrt'``.
     block_kwargs: constructor arguments of the block (its config, flags).
-    check_tags: check ``names:``/``offload:`` tags against what this stack's
-      block emits. Set False in a model whose stacks emit different tags (a
-      ResNet's first blocks add ``shortcut``), and check the model's tags once
-      instead: ``get_policy(spec, tags=remat.tags.emitted_tags(model.apply, ...))``.
+    strict: check the policy against this stack alone: a segment size within
+      1..N and ``names:``/``offload:`` tags that this block emits. Set False in a
+      model whose stacks differ in depth or tags (a ResNet: one-block stacks, a
+      ``shortcut`` only in first blocks) and check the model once instead:
+      ``get_policy(spec, num_layers=deepest, tags=remat.tags.emitted_tags(...))``;
+      a segment larger than a stack is then one segment of that stack.
 
   The stacked variables live under ``<this module>/block``.
   """
@@ -82,7 +84,7 @@ class LayerStack(nn.Module):
   num_layers: int
   policy: Policy | str
   block_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-  check_tags: bool = True
+  strict: bool = True
 
   @nn.compact
   def __call__(self, x, *args, deterministic: bool = True):
@@ -103,7 +105,7 @@ class LayerStack(nn.Module):
       StackSignatureError: a block that cannot be called as above.
     """
     n = self.num_layers
-    policy = check_policy(self.policy, n)
+    policy = check_policy(self.policy, n if self.strict else None)
     if not (isinstance(self.block_cls, type) and issubclass(self.block_cls, nn.Module)):
       raise TypeError(f'LayerStack needs a linen Module class as block_cls, got '
                       f'{self.block_cls!r:.80}')
@@ -131,8 +133,9 @@ class LayerStack(nn.Module):
 
     xs = (variables, keys)
     (_, (aux, _)), tags = trace_layer(step, x, jax.tree_util.tree_map(lambda a: a[0], xs))
-    tag_rule = self.check_tags and policy.rule in ('names', 'offload')
-    check_policy(policy, n, tags if tag_rule else None)
+    tag_rule = self.strict and policy.rule in ('names', 'offload')
+    if tag_rule:
+      policy.validate(tags=tags)
     y, (auxs, new) = segmented_scan(step, x, xs, n, policy)
     for col in mutable:
       self.put_variable(col, 'block', new[col])
