@@ -26,6 +26,6 @@ def test_docs_have_snippets():
   assert len(list(_snippets())) >= 5
 
 
-@pytest.mark.parametrize('code', _snippets())
+@pytest.mark.parametrize('code', list(_snippets()))
 def test_snippet_runs(code):
   exec(compile(code, '<snippet>', 'exec'), {'__name__': '__snippet__'})
