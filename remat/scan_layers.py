@@ -15,8 +15,10 @@ policy decides the loop nest:
 
 ``prevent_cse=False`` only inside a loop of length > 1; a loop of one
 iteration (a one-layer stack, a remainder, a ``stage`` segment) is still a
-length-1 scan with ``prevent_cse=True``, see :mod:`remat.cpu` for why and for
-what the XLA CPU backend needs.
+length-1 scan with ``prevent_cse=True``. XLA's while-loop simplifier inlines
+such loops, after which the CPU backend drops their checkpoints unless the
+step is compiled with :data:`remat.targets.CPU_COMPILER_OPTIONS`
+(docs/own-model.md has the measurements); GPU pipelines keep them.
 
 The front doors also check the stack against the policy when it is traced:
 segment sizes outside 1..N and ``names:``/``offload:`` tags that one layer
@@ -104,7 +106,8 @@ def segmented_scan(step: Callable, x, xs, num_layers: int, policy: Policy):
     run = lambda x, seg_xs: _run_layers(step, x, seg_xs, length, rule)
     return jax.checkpoint(run, policy=_nothing, prevent_cse=prevent_cse)
 
-  # Segments are a loop even when there is one (a `stage`): a loop keeps its checkpoint.
+  # Segments are a loop even when there is one (a `stage`), so that with
+  # CPU_COMPILER_OPTIONS the CPU backend keeps its checkpoint too.
   x, ys = jax.lax.scan(segment(size, prevent_cse=full == 1), x, main)
   ys = jax.tree_util.tree_map(lambda a: a.reshape((full * size,) + a.shape[2:]), ys)
   if rest:
