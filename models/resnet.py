@@ -240,10 +240,14 @@ class ResNet(nn.Module):
       stride = 1 if s == 0 else 2
       first = dict(config=cfg, features=features, stride=stride, train=train,
                    shortcut=width != features or stride != 1)
-      x = LayerStack(Block, 1, policy, block_kwargs=first, name=f'stages_{s}_first')(x)
+      # Stacks differ in depth and tags ('shortcut'): the policy is checked model-wide
+      # (above for depth, by Task.emitted_tags for tags).
+      x = LayerStack(Block, 1, policy, block_kwargs=first, strict=False,
+                     name=f'stages_{s}_first')(x)
       if depth > 1:
         rest = dict(config=cfg, features=features, train=train)
-        x = LayerStack(Block, depth - 1, policy, block_kwargs=rest, name=f'stages_{s}_layers')(x)
+        x = LayerStack(Block, depth - 1, policy, block_kwargs=rest, strict=False,
+                       name=f'stages_{s}_layers')(x)
       width = features
     x = jnp.mean(x, axis=(1, 2))
     return nn.Dense(cfg.num_classes, name='classifier')(x)

@@ -1,10 +1,14 @@
 """remat: named rematerialization policies for JAX/Flax, and the tools to measure them.
 
-Typical use::
+Typical use, one front door per API (docs/own-model.md)::
 
-    from remat import get_policy
-    policy = get_policy('dots_no_batch')
-    Block = nn.remat(MyBlock, policy=policy.jax_policy)
+    from remat import LayerStack, NNXStack, scan_layers
+    y = LayerStack(Block, 16, 'full@sqrt')(x)                  # Flax linen
+    y = NNXStack(make_block, 16, 'full@sqrt', rngs=rngs)(x)     # Flax NNX
+    y = scan_layers(layer_fn, stacked_params, x, policy='full@sqrt')   # plain JAX
+
+For one function or module outside a stack: ``get_policy(spec).checkpoint(fn)``
+or ``get_policy(spec).remat(Module)`` (no-ops for ``none``).
 
 Measure your own function under several policies (docs/measuring.md)::
 
@@ -13,9 +17,12 @@ Measure your own function under several policies (docs/measuring.md)::
 """
 
 from remat.measuring import Measurement, Report, TrainStep, measure
+from remat.nnx_stack import NNXStack
 from remat.policies import (PRESETS, Policy, PolicyError, get_policy, list_policies,
                             policy_names)
+from remat.scan_layers import StackSignatureError, scan_layers
 from remat.stack import LayerStack
 
 __all__ = ['PRESETS', 'Policy', 'PolicyError', 'get_policy', 'list_policies',
-           'policy_names', 'LayerStack', 'measure', 'Measurement', 'Report', 'TrainStep']
+           'policy_names', 'LayerStack', 'NNXStack', 'scan_layers', 'StackSignatureError',
+           'measure', 'Measurement', 'Report', 'TrainStep']

@@ -152,11 +152,35 @@ class Policy:
     return self.rule == 'offload'
 
   @property
-  def jax_policy(self) -> Callable | None:
-    """The per-layer ``jax.checkpoint`` policy, or None for no remat.
+  def segmented(self) -> bool:
+    """True when the policy checkpoints segments of a stack (needs a stack helper)."""
+    return self.segment is not None
 
-    Pass it to ``nn.remat(Block, policy=...)`` or ``jax.checkpoint``.
+  @property
+  def jax_policy(self) -> Callable:
+    """The per-layer ``jax.checkpoint`` policy, for a rule that saves something by name or kind.
+
+    ``jax.checkpoint``, ``nn.remat`` and ``nnx.remat`` read ``policy=None`` as
+    "save nothing", so no spec may hand them None: ``none`` (no remat at all)
+    and segmentings (which need a stack) raise instead of silently becoming
+    full remat. Prefer :meth:`checkpoint`, :meth:`remat` or the stack helpers,
+    which do the right thing for every spec.
+
+    Raises:
+      PolicyError: for ``none`` and for segmented specs (one line, naming what to use).
     """
+    if self.segmented:
+      raise PolicyError(self._needs_stack('jax_policy'))
+    if not self.remat_layers:
+      raise PolicyError(
+          f"remat policy '{self.spec}' means no remat, which no jax.checkpoint policy expresses "
+          '(policy=None means save nothing); use policy.checkpoint(fn) or policy.remat(Module), '
+          'which return the function or module unchanged for none')
+    return self._layer_policy()
+
+  def _layer_policy(self) -> Callable | None:
+    # The per-layer rule, None for no remat. Only the stack helpers, which know
+    # to skip jax.checkpoint for None, may use it.
     if self.rule == 'names':
       return cp.save_only_these_names(*self.tags)
     if self.rule == 'offload':
@@ -165,6 +189,11 @@ class Policy:
           offload_src='device', offload_dst='pinned_host')
     factory = _RULES[self.rule][1]
     return None if factory is None else factory()
+
+  def _needs_stack(self, what: str) -> str:
+    return (f"remat policy '{self.spec}' segments a stack of layers, which {what} cannot "
+            'express; use remat.LayerStack (linen), remat.NNXStack (nnx) or remat.scan_layers '
+            '(plain JAX)')
 
   def segment_size(self, num_layers: int) -> int | None:
     """Layers per checkpointed segment for a stack of ``num_layers``, or None.
@@ -200,20 +229,56 @@ class Policy:
       known = set(tags)
       unknown = [t for t in self.tags if t not in known]
       if unknown:
+        emits = ', '.join(sorted(known)) or 'no tags (tag values with checkpoint_name)'
         raise PolicyError(
             f"remat policy '{self.spec}': unknown tag(s) {', '.join(unknown)}; "
-            f"this model emits: {', '.join(sorted(known))}")
+            f'this model emits: {emits}')
     return self
 
+  def checkpoint(self, fn: Callable, *, prevent_cse: bool = True, **kwargs) -> Callable:
+    """Applies the per-layer rule to a plain function: ``jax.checkpoint`` or, for ``none``, ``fn``.
+
+    Args:
+      fn: the function to rematerialize (one layer, say).
+      prevent_cse: keep True outside a scan; False is safe only inside one.
+      **kwargs: passed to ``jax.checkpoint`` (``static_argnums``, ...).
+
+    Raises:
+      PolicyError: for a segmented spec, which needs a stack helper.
+    """
+    if self.segmented:
+      raise PolicyError(self._needs_stack('Policy.checkpoint'))
+    if not self.remat_layers:
+      return fn
+    return jax.checkpoint(fn, policy=self._layer_policy(), prevent_cse=prevent_cse, **kwargs)
+
   def remat(self, module_cls, *, prevent_cse: bool = True, **kwargs):
-    """Wraps a Flax module class in ``nn.remat`` with this rule (or not at all).
+    """Wraps a Flax linen module class in ``nn.remat`` with this rule (``none``: unchanged).
 
     Use ``prevent_cse=False`` only when the module runs inside ``nn.scan``.
+
+    Raises:
+      PolicyError: for a segmented spec, which needs a stack helper.
     """
+    if self.segmented:
+      raise PolicyError(self._needs_stack('Policy.remat'))
     import flax.linen as nn  # local: the policy module itself needs only jax
     if not self.remat_layers:
       return module_cls
-    return nn.remat(module_cls, policy=self.jax_policy, prevent_cse=prevent_cse, **kwargs)
+    return nn.remat(module_cls, policy=self._layer_policy(), prevent_cse=prevent_cse, **kwargs)
+
+  def nnx_remat(self, fn: Callable, *, prevent_cse: bool = True, **kwargs) -> Callable:
+    """Wraps a function of NNX modules in ``nnx.remat`` with this rule (``none``: unchanged).
+
+    Raises:
+      PolicyError: for a segmented spec, which needs a stack helper.
+    """
+    if self.segmented:
+      raise PolicyError(self._needs_stack('Policy.nnx_remat'))
+    from flax import nnx  # local: the policy module itself needs only jax
+    if not self.remat_layers:
+      return fn
+    return nnx.remat(fn, policy=self._layer_policy(), prevent_cse=prevent_cse, **kwargs)
 
 
 def _parse_tags(kind: str, arg: str, spec: str) -> tuple[str, ...]:
@@ -274,7 +339,10 @@ def get_policy(spec: str | Policy, *, num_layers: int | None = None,
   """
   if isinstance(spec, Policy):
     return spec.validate(num_layers, tags)
-  text = (spec or '').strip()
+  if not isinstance(spec, str):
+    raise PolicyError(f'a remat policy is a spec string or a Policy, got {type(spec).__name__} '
+                      f"{spec!r:.60}; e.g. get_policy('full@sqrt')")
+  text = spec.strip()
   if not text:
     raise PolicyError(f"empty remat policy; valid: {', '.join(policy_names())}")
   rule_text, at, seg_text = text.partition('@')

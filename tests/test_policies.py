@@ -39,7 +39,6 @@ def test_policy_is_immutable_and_hashable():
 
 
 def test_jax_policies():
-  assert get_policy('none').jax_policy is None
   assert get_policy('full').jax_policy is cp.nothing_saveable
   assert get_policy('everything').jax_policy is cp.everything_saveable
   assert get_policy('dots').jax_policy is cp.dots_saveable
@@ -129,3 +128,33 @@ def test_policy_instance_passes_through():
   with pytest.raises(PolicyError):
     get_policy(p, num_layers=1)
   assert isinstance(p, Policy)
+
+
+@pytest.mark.parametrize('spec,needle', [
+    ('none', 'means no remat'), ('sqrt', 'segments a stack'), ('seg:4', 'segments a stack'),
+    ('stage', 'segments a stack'), ('full@sqrt', 'segments a stack'),
+])
+def test_jax_policy_cannot_be_misread(spec, needle):
+  # jax.checkpoint / nn.remat / nnx.remat read policy=None as "save nothing": full remat.
+  with pytest.raises(PolicyError) as e:
+    get_policy(spec).jax_policy
+  assert needle in str(e.value) and '\n' not in str(e.value)
+
+
+def test_checkpoint_and_remat_entry_points():
+  import flax.linen as nn
+  f = lambda x: x * 2
+  assert get_policy('none').checkpoint(f) is f
+  assert get_policy('full').checkpoint(f) is not f
+  assert get_policy('none').remat(nn.Dense) is nn.Dense
+  assert get_policy('none').nnx_remat(f) is f
+  for method in ('checkpoint', 'remat', 'nnx_remat'):
+    with pytest.raises(PolicyError, match='remat.LayerStack .* remat.scan_layers'):
+      getattr(get_policy('seg:2'), method)(f)
+
+
+@pytest.mark.parametrize('bad', [None, 3, cp.nothing_saveable, ['full']])
+def test_spec_type_is_checked(bad):
+  with pytest.raises(PolicyError, match='a remat policy is a spec string or a Policy') as e:
+    get_policy(bad)
+  assert '\n' not in str(e.value)

@@ -78,3 +78,50 @@ def test_any_depth_runs_layers_in_order(n, spec):
 def test_segment_larger_than_stack_fails_closed(small_config, small_params, windows):
   with pytest.raises(ValueError, match='out of range'):
     GPT(small_config, 'seg:9').apply({'params': small_params}, windows[:, :-1])
+
+
+# --- a user's own linen block ----------------------------------------------------------------
+
+from own_model import DEPTH, TAG, LinenBlock, inputs  # noqa: E402
+from remat import PolicyError, StackSignatureError  # noqa: E402
+
+
+class _Flagged(nn.Module):
+  """A block with a mask and a Python flag per call, returning (y, aux)."""
+
+  @nn.compact
+  def __call__(self, x, mask, train):
+    y = nn.Dense(x.shape[-1])(x) * mask
+    return (x + y, jnp.sum(y)) if train else x + y
+
+
+def test_spec_string_per_call_inputs_and_aux():
+  x, mask = jnp.ones((2, 4)), jnp.array([1.0, 0.0, 1.0, 1.0])
+  stack = LayerStack(_Flagged, 4, 'full@seg:2')
+  variables = stack.init(jax.random.PRNGKey(0), x, mask, False)
+  assert variables['params']['block']['Dense_0']['kernel'].shape == (4, 4, 4)
+  y, aux = stack.apply(variables, x, mask, True)
+  assert aux.shape == (4,)
+  assert_trees_close(y, LayerStack(_Flagged, 4, 'none').apply(variables, x, mask, False))
+
+
+@pytest.mark.parametrize('spec,needle', [
+    ('names:fc_1', f'unknown tag(s) fc_1; this model emits: {TAG}'),
+    ('seg:20', 'valid sizes for this 16-layer stack are 1..16'),
+])
+def test_user_block_checked_against_the_policy(spec, needle):
+  variables = LayerStack(LinenBlock, DEPTH, 'none').init(jax.random.PRNGKey(0), inputs())
+  with pytest.raises(PolicyError) as e:
+    LayerStack(LinenBlock, DEPTH, spec).apply(variables, inputs())
+  assert needle in str(e.value) and '\n' not in str(e.value)
+
+
+@pytest.mark.parametrize('args,needle', [
+    ((), "missing a required argument: 'mask'"),
+    ((1.0, True, 3), 'too many positional arguments'),
+])
+def test_wrong_block_signature_fails_in_one_line(args, needle):
+  with pytest.raises(StackSignatureError) as e:
+    LayerStack(_Flagged, 3, 'full').init(jax.random.PRNGKey(0), jnp.ones((2, 4)), *args)
+  msg = str(e.value)
+  assert needle in msg and 'LayerStack calls block(x, *args' in msg and '\n' not in msg
