@@ -225,8 +225,9 @@ def measure(build: Callable[[Policy], Any], *example_args,
   Args:
     build: ``build(policy) -> program``: a loss ``loss(*args) -> scalar``
       (measured as its ``value_and_grad`` w.r.t. the first argument) or a
-      :class:`TrainStep`. ``policy`` is a :class:`remat.Policy`; use
-      ``policy.jax_policy`` in ``jax.checkpoint``, or pass it to ``LayerStack``.
+      :class:`TrainStep`. ``policy`` is a :class:`remat.Policy`: apply it with
+      ``policy.checkpoint(fn)`` or a stack helper (``LayerStack``, ``NNXStack``,
+      ``scan_layers``).
     *example_args: the program's arguments, arrays or ``jax.ShapeDtypeStruct``;
       compiled abstractly, and zero-filled where ``time`` needs values.
     policies: specs or :class:`remat.Policy` objects (``none`` is added).

@@ -8,7 +8,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # Markdown files whose python blocks must run as is.
-DOC_FILES = ['docs/own-model.md']
+DOC_FILES = ['README.md', 'docs/own-model.md', 'docs/measuring.md']
 
 # A fence may be indented (a code block inside a list item).
 _BLOCK = re.compile(r'^([ \t]*)```python\n(.*?)^\1```', re.S | re.M)
