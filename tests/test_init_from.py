@@ -10,7 +10,7 @@ from configs import load_config  # noqa: E402
 from models.hf import load_hf  # noqa: E402
 from numerics import assert_trees_close  # noqa: E402
 from training import cli  # noqa: E402
-from training.trainer import restore  # noqa: E402
+from training.checkpoints import restore  # noqa: E402
 from training import steps as st  # noqa: E402
 from training.tasks import Task  # noqa: E402
 
@@ -45,7 +45,7 @@ def test_init_from_finds_the_config_and_starts_from_the_weights(hf_resnet, tmp_p
   model = task.model('sqrt')
   tx = st.make_optimizer(1e-12, 1, 20, 1e-4, 1.0)
   state, _ = st.abstract_inputs(model, tx, 4, 32)
-  restored, meta = restore(out, state)
+  restored, meta = restore(out, state, warn=pytest.fail)
   assert meta['config'] == 'resnet-tiny'
   # One AdamW step at lr 1e-12 moves a weight by ~1e-12: the imported weights, to rounding.
   assert_trees_close(restored.params, variables['params'])

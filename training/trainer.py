@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -214,7 +215,8 @@ def _check_record(cfg: TrainConfig, named: NamedConfig, out: Path) -> int | None
                            os.path.realpath(was) == os.path.realpath(now)):
       raise RunError(f'--resume: {out} was trained with --{what} {was}, not {now}; drop '
                      f'--{what} (or pass --{what} {was}), or pass another --out for a new run')
-  if meta.get('model') != dataclasses.asdict(named.model):
+  # The record went through JSON, which turns tuples (a ResNet's stage widths) into lists.
+  if meta.get('model') != json.loads(json.dumps(dataclasses.asdict(named.model))):
     raise RunError(f'--resume: config {named.name} has changed shape since {out} was saved; '
                    'restore the config file, or pass another --out for a new run')
   if step > cfg.steps:
