@@ -246,11 +246,7 @@ class Policy:
     Raises:
       PolicyError: for a segmented spec, which needs a stack helper.
     """
-    if self.segmented:
-      raise PolicyError(self._needs_stack('Policy.checkpoint'))
-    if not self.remat_layers:
-      return fn
-    return jax.checkpoint(fn, policy=self._layer_policy(), prevent_cse=prevent_cse, **kwargs)
+    return self._wrap(jax.checkpoint, fn, 'Policy.checkpoint', prevent_cse, kwargs)
 
   def remat(self, module_cls, *, prevent_cse: bool = True, **kwargs):
     """Wraps a Flax linen module class in ``nn.remat`` with this rule (``none``: unchanged).
@@ -260,12 +256,8 @@ class Policy:
     Raises:
       PolicyError: for a segmented spec, which needs a stack helper.
     """
-    if self.segmented:
-      raise PolicyError(self._needs_stack('Policy.remat'))
     import flax.linen as nn  # local: the policy module itself needs only jax
-    if not self.remat_layers:
-      return module_cls
-    return nn.remat(module_cls, policy=self._layer_policy(), prevent_cse=prevent_cse, **kwargs)
+    return self._wrap(nn.remat, module_cls, 'Policy.remat', prevent_cse, kwargs)
 
   def nnx_remat(self, fn: Callable, *, prevent_cse: bool = True, **kwargs) -> Callable:
     """Wraps a function of NNX modules in ``nnx.remat`` with this rule (``none``: unchanged).
@@ -273,12 +265,16 @@ class Policy:
     Raises:
       PolicyError: for a segmented spec, which needs a stack helper.
     """
-    if self.segmented:
-      raise PolicyError(self._needs_stack('Policy.nnx_remat'))
     from flax import nnx  # local: the policy module itself needs only jax
+    return self._wrap(nnx.remat, fn, 'Policy.nnx_remat', prevent_cse, kwargs)
+
+  def _wrap(self, wrapper: Callable, target, what: str, prevent_cse: bool, kwargs: dict):
+    # The one place the three entry points share: segmentings need a stack, none is a no-op.
+    if self.segmented:
+      raise PolicyError(self._needs_stack(what))
     if not self.remat_layers:
-      return fn
-    return nnx.remat(fn, policy=self._layer_policy(), prevent_cse=prevent_cse, **kwargs)
+      return target
+    return wrapper(target, policy=self._layer_policy(), prevent_cse=prevent_cse, **kwargs)
 
 
 def _parse_tags(kind: str, arg: str, spec: str) -> tuple[str, ...]:
