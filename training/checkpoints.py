@@ -67,10 +67,25 @@ def steps(out: Path) -> list[int]:
   return found
 
 
+def host(state):
+  """``state`` as whole host (numpy) arrays, however it is sharded.
+
+  Arrays on this process's devices are copied; arrays sharded across processes
+  are gathered (a collective: every process must call it). The digest is over
+  these whole arrays, so it does not depend on the mesh that held them and a
+  checkpoint saved on one mesh verifies on another.
+  """
+  leaves = jax.tree_util.tree_leaves(state)
+  if all(getattr(a, 'is_fully_addressable', True) for a in leaves):
+    return jax.device_get(state)
+  from jax.experimental import multihost_utils
+  return multihost_utils.process_allgather(state, tiled=True)
+
+
 def digest(state) -> str:
   """SHA-256 over every array of ``state`` (tree path, dtype, shape and bytes), on host copies."""
   h = hashlib.sha256()
-  for path, leaf in jax.tree_util.tree_flatten_with_path(jax.device_get(state))[0]:
+  for path, leaf in jax.tree_util.tree_flatten_with_path(host(state))[0]:
     a = np.ascontiguousarray(leaf)
     h.update(f'{jax.tree_util.keystr(path)}|{a.dtype}|{a.shape};'.encode())
     h.update(a.view(np.uint8).reshape(-1) if a.size else b'')
@@ -80,7 +95,7 @@ def digest(state) -> str:
 def nonfinite(state) -> list[str]:
   """Tree paths of floating-point arrays in ``state`` holding a NaN or an infinity."""
   bad = []
-  for path, leaf in jax.tree_util.tree_flatten_with_path(jax.device_get(state))[0]:
+  for path, leaf in jax.tree_util.tree_flatten_with_path(host(state))[0]:
     a = np.asarray(leaf)
     if np.issubdtype(a.dtype, np.inexact) and not np.isfinite(a).all():
       bad.append(jax.tree_util.keystr(path))
@@ -97,14 +112,14 @@ def save(mngr: ocp.CheckpointManager, state, meta: dict, force: bool = False) ->
   step = int(state.step)
   if not (force or mngr.should_save(step)):
     return False
-  host = jax.device_get(state)
-  bad = nonfinite(host)
+  whole = host(state)
+  bad = nonfinite(whole)
   if bad:
     raise CheckpointError(f'step {step}: non-finite values in {bad[0]}'
                           f'{f" and {len(bad) - 1} more arrays" if len(bad) > 1 else ""}; '
                           'not saved')
   mngr.save(step, force=force, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave({**meta, 'digest': digest(host)})))
+      state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave({**meta, 'digest': digest(whole)})))
   return True
 
 
@@ -131,6 +146,7 @@ def restore(out: Path, state_shape, warn) -> tuple[object, dict]:
   for step in steps(out):
     try:
       meta = _restore_item(out, step, 'meta', ocp.args.JsonRestore(), 'meta/metadata')
+      # Shardings in state_shape place the arrays on this run's mesh, whatever mesh saved them.
       state = _restore_item(out, step, 'state', ocp.args.StandardRestore(state_shape))
       _verify(state, meta)
     except Exception as e:  # pylint: disable=broad-except
@@ -179,6 +195,8 @@ def _verify(state, meta: dict):
 
 def _set_aside(out: Path, step: int) -> Path:
   dest = out / 'damaged' / str(step)
+  if jax.process_index() != 0:  # one process moves it; the others only skip it
+    return dest
   n = 1
   while dest.exists():
     n += 1

@@ -9,6 +9,7 @@ import sys
 from configs import DEFAULT_CONFIG, config_names, load_config
 from remat.policies import PolicyError, list_policies
 from remat.targets import prefer_cpu_without_gpu
+from training import mesh as meshlib
 from training.data import DataError
 from training.trainer import (DivergedError, RunError, TrainConfig, default_config,
                               matching_config, read_meta, train)
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--init-from', default=None, metavar='HF_FOLDER',
                  help='start from the weights of a Hugging Face save_pretrained folder (GPT-2, ViT, '
                       'ResNet; safetensors); without --config, the shipped config of its shape')
+  meshlib.add_flags(p)
   p.add_argument('--no-memory-report', dest='memory_report', action='store_false',
                  help='skip compiling the no-remat step for the start-up memory line')
   return p
@@ -73,7 +75,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     known = {k: v for k, v in flags.items() if k in ('config', 'remat', 'out')}
     known.setdefault('config', default_config(args.model))
     meta = read_meta(TrainConfig(**known).out_dir) or {}
-    recorded = {k: v for k, v in meta.get('train', {}).items() if k in valid and k != 'out'}
+    # The mesh belongs to the machine, not the run: a resume takes --mesh from its flags only.
+    recorded = {k: v for k, v in meta.get('train', {}).items()
+                if k in valid and k not in ('out', 'mesh')}
   if 'config' not in flags and args.init_from and not args.resume:
     flags['config'] = matching_config(args.init_from)
   name = flags.get('config', recorded.get('config', default_config(args.model)))
@@ -94,6 +98,7 @@ def main(argv=None) -> int:
       print(f'{spec:<{width}}  {desc}')
     return 0
   try:
+    meshlib.start_processes(args.coordinator, args.num_processes, args.process_id)
     train(config_from_args(args))
   except DivergedError as e:  # its own code: the settings were valid, the run was not
     print(f'train.py: error: {e}', file=sys.stderr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -19,6 +20,7 @@ from configs import DEFAULT_CONFIG, NamedConfig, config_names, load_config
 from remat.memory import MemoryStats, compiled_memory, format_bytes
 from remat.policies import Policy, get_policy
 from training import checkpoints as ckpt
+from training import mesh as meshlib
 from training import rundir
 from training import steps as st
 from training.data import load_text
@@ -55,6 +57,7 @@ class TrainConfig:
   save_every: int = 100
   memory_report: bool = True
   skip_nonfinite: int = 0
+  mesh: str | None = None  # --mesh AXIS=N,...; None: one device (training/mesh.py)
 
   @property
   def out_dir(self) -> Path:
@@ -173,6 +176,9 @@ def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
       being finite.
   """
   named, task, size, policy = resolve(cfg)
+  place = meshlib.Placement.from_spec(cfg.mesh, cfg.batch_size)
+  if not place.is_primary:  # one program, many processes: process 0 speaks for the run
+    log = warn = lambda *_: None
   out = cfg.out_dir
   rundir.check_out(out)
   # A folder with a lock file was started by a run, which may have died before its first
@@ -188,8 +194,8 @@ def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
   except OSError as e:
     raise RunError(f"--out '{out}' cannot be created: {e.strerror}") from None
-  with rundir.RunLock(out):
-    return _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn)
+  with rundir.RunLock(out) if place.is_primary else contextlib.nullcontext():
+    return _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn, place)
 
 
 def _check_record(cfg: TrainConfig, named: NamedConfig, out: Path) -> int | None:
@@ -225,7 +231,8 @@ def _check_record(cfg: TrainConfig, named: NamedConfig, out: Path) -> int | None
   return step
 
 
-def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn) -> list[dict]:
+def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
+                  place: meshlib.Placement) -> list[dict]:
   out = cfg.out_dir
   saved_step = _check_record(cfg, named, out)
   if cfg.resume and saved_step is None:  # the run was killed before its first save completed
@@ -240,50 +247,54 @@ def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn) -
   # Restore before compiling: a folder without an intact checkpoint, or one already at
   # --steps, is reported in seconds rather than after the compile.
   if saved_step is not None:
-    state, saved = ckpt.restore(out, state_shape, warn)
+    state, saved = ckpt.restore(out, place.abstract(state_shape), warn)  # onto this mesh
     log(f"resumed step {int(state.step)} (saved under policy {saved['policy']})")
   elif pretrained is not None:
-    state = _pretrained_state(pretrained, tx)
+    state = place.put_state(_pretrained_state(pretrained, tx))
     log(f'initialised from the Hugging Face checkpoint {cfg.init_from}')
   else:
-    state = st.init_state(model, tx, cfg.seed, size)
+    state = place.put_state(st.init_state(model, tx, cfg.seed, size))
   start = int(state.step)
   if start >= cfg.steps:
     log(f'nothing to do: {out} is at step {start} of --steps {cfg.steps}')
     return []
-  step_fn = st.compile_train_step(model, tx, cfg.seed, state_shape, batch_shape, guard=True)
+  step_fn = place.compile_train_step(model, tx, cfg.seed, state_shape, batch_shape, guard=True)
+  if place.mesh is not None:
+    log(f'mesh: {place.description}; memory figures are per device')
   if cfg.memory_report:
-    base = step_fn if policy.spec == 'none' else st.compile_train_step(
+    base = step_fn if policy.spec == 'none' else place.compile_train_step(
         task.model('none'), tx, cfg.seed, state_shape, batch_shape, guard=True)
     log(memory_line(policy, compiled_memory(step_fn), compiled_memory(base)))
 
   meta = {'config': named.name, 'arch': named.arch, 'model': dataclasses.asdict(named.model),
           'policy': policy.spec,
           'train': {k: v for k, v in dataclasses.asdict(cfg).items() if k != 'resume'}}
-  metrics = rundir.MetricsLog(out, start)
+  metrics = rundir.MetricsLog(out, start) if place.is_primary else meshlib.NullMetrics()
   mngr = ckpt.manager(out, cfg.save_every, writer=True)
   try:
     return _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, metrics,
-                 mngr, log, warn)
+                 mngr, log, warn, place)
   finally:
     metrics.close()
     mngr.close()
 
 
 def _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, metrics, mngr,
-          log, warn) -> list[dict]:
+          log, warn, place) -> list[dict]:
   out = cfg.out_dir
   eval_step = st.make_eval_step(model)
+  val = [place.put_batch(b) for b in val]
   rows = []
   start = int(state.step)
   bad_in_row = 0
   # Throughput unit: tokens (bytes) for GPT, images for vision.
   unit, per_step = ('img', cfg.batch_size) if task.is_vision else ('tok', cfg.batch_size * size)
   with tqdm(total=cfg.steps, initial=start, desc=f'train {policy.spec}', unit='step',
-            file=sys.stdout, dynamic_ncols=True, mininterval=0.5) as bar:
+            file=sys.stdout, dynamic_ncols=True, mininterval=0.5,
+            disable=not place.is_primary) as bar:
     t0 = time.perf_counter()
     for step in range(start, cfg.steps):
-      state, stats = step_fn(state, batch_at(step))
+      state, stats = step_fn(state, place.put_batch(batch_at(step)))
       loss, grad_norm = (float(x) for x in np.asarray(stats))  # waits: the clock is honest
       t1 = time.perf_counter()
       finite = math.isfinite(loss) and math.isfinite(grad_norm)
