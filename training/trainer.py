@@ -175,8 +175,8 @@ def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
     RunError: one line; :class:`DivergedError` if the loss or gradients stopped
       being finite.
   """
+  place = meshlib.Placement.from_spec(cfg.mesh, cfg.batch_size)  # first: it traces nothing
   named, task, size, policy = resolve(cfg)
-  place = meshlib.Placement.from_spec(cfg.mesh, cfg.batch_size)
   if not place.is_primary:  # one program, many processes: process 0 speaks for the run
     log = warn = lambda *_: None
   out = cfg.out_dir

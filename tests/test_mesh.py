@@ -1,0 +1,226 @@
+"""Training on a device mesh (training/mesh.py): sharding rules, numerics, memory, processes, resume.
+
+The pytest process has one CPU device and must keep it (the rest of the suite runs
+there), so everything that needs 8 devices runs in a subprocess of this file
+(``python tests/test_mesh.py WORKER ...``) with
+``XLA_FLAGS=--xla_force_host_platform_device_count=N``; a worker asserts and exits
+non-zero on a mismatch.
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+# Small enough that a train run is mostly compile time; batch 8 splits over 8 devices.
+RUN = ['--config=tiny', '--steps=4', '--batch-size=8', '--seq-len=32', '--warmup-steps=2',
+       '--eval-every=2', '--eval-batches=2', '--save-every=2', '--no-memory-report',
+       '--remat=full']
+
+
+def _env(devices: int) -> dict:
+  env = dict(os.environ)   # conftest's XLA_FLAGS (-O0) and JAX_PLATFORMS=cpu carry over
+  flags = ' '.join(f for f in env.get('XLA_FLAGS', '').split()
+                   if not f.startswith('--xla_force_host_platform_device_count'))
+  env['XLA_FLAGS'] = f'{flags} --xla_force_host_platform_device_count={devices}'.strip()
+  env['JAX_PLATFORMS'] = 'cpu'
+  env['PYTHONPATH'] = os.pathsep.join([str(ROOT), str(HERE), env.get('PYTHONPATH', '')])
+  return env
+
+
+def _worker(*args: str, devices: int = 8, timeout: int = 900):
+  run = subprocess.run([sys.executable, __file__, *args], cwd=ROOT, env=_env(devices),
+                       capture_output=True, text=True, timeout=timeout)
+  assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+  return run
+
+
+def _train(*args: str, devices: int, **popen):
+  return subprocess.Popen([sys.executable, 'train.py', *args], cwd=ROOT, env=_env(devices),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def _finish(proc, timeout: int = 900):
+  out, err = proc.communicate(timeout=timeout)
+  assert proc.returncode == 0, out[-2000:] + err[-3000:]
+  return out
+
+
+def _losses(out: Path) -> list[float]:
+  rows = [json.loads(l) for l in (out / 'metrics.jsonl').read_text().splitlines()]
+  assert [r['step'] for r in rows] == list(range(1, len(rows) + 1))
+  return [r['loss'] for r in rows] + [r['val_loss'] for r in rows if 'val_loss' in r]
+
+
+# In-process: parsing and the sharding rule ---------------------------------------------------
+def test_parse_mesh_and_sharding_rule():
+  from jax.sharding import PartitionSpec as P
+  from training.mesh import array_spec, parse_mesh
+  assert parse_mesh('fsdp=8') == {'data': 1, 'fsdp': 8}
+  assert parse_mesh(' data=2 , fsdp=4') == {'data': 2, 'fsdp': 4}
+  assert array_spec((6, 128, 512), 8) == P(None, None, 'fsdp')     # largest axis
+  assert array_spec((6, 128, 128), 8) == P(None, None, 'fsdp')     # ties: the later axis
+  assert array_spec((50257, 1600), 8) == P(None, 'fsdp')          # vocab not divisible
+  assert array_spec((25,), 8) == P() and array_spec((), 8) == P()  # replicated
+  assert array_spec((6, 128), 1) == P()
+
+
+@pytest.mark.parametrize('mesh, needle', [
+    ('tensor=2', "unknown axis 'tensor'; valid: data, fsdp"),
+    ('fsdp=0', "size of 'fsdp' must be a positive integer, got '0'"),
+    ('fsdp=-2', "size of 'fsdp' must be a positive integer, got '-2'"),
+    ('fsdp=two', "size of 'fsdp' must be a positive integer, got 'two'"),
+    ('fsdp', 'expected AXIS=N[,AXIS=N...]'),
+    ('fsdp=2,fsdp=2', "axis 'fsdp' given twice"),
+    ('data=2,fsdp=4', '--mesh data=2,fsdp=4 has 8 devices, this run has 1 (cpu); simulate CPU '
+                      'devices with XLA_FLAGS=--xla_force_host_platform_device_count=8'),
+])
+def test_bad_mesh_is_one_line_exit_2(mesh, needle, capsys, tmp_path):
+  from training import cli
+  out = tmp_path / 'never'
+  assert cli.main([f'--mesh={mesh}', f'--out={out}', '--no-memory-report']) == 2
+  lines = capsys.readouterr().err.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith('train.py: error: --mesh') and needle in lines[0]
+  assert not out.exists()
+
+
+@pytest.mark.parametrize('argv, needle', [
+    (['--coordinator=localhost:1234', '--num-processes=2'], 'needs --process-id too'),
+    (['--coordinator=localhost', '--num-processes=2', '--process-id=0'], 'expected HOST:PORT'),
+    (['--coordinator=localhost:1', '--num-processes=2', '--process-id=2'], 'must be in 0..1'),
+])
+def test_bad_process_flags_are_one_line_exit_2(argv, needle, capsys, tmp_path):
+  from training import cli
+  assert cli.main(argv + [f'--out={tmp_path / "never"}']) == 2
+  lines = capsys.readouterr().err.strip().splitlines()
+  assert len(lines) == 1 and needle in lines[0]
+
+
+# 8 simulated devices, in a subprocess ----------------------------------------------------------
+def test_full_on_a_mesh_equals_one_device_and_fsdp_divides_the_state():
+  """`full` on data=2,fsdp=4 (both axes at once); per-device state bytes on fsdp=8.
+
+  One process, so that the default suite pays one JAX start-up and three compiles.
+  """
+  run = _worker('grads', 'full', 'data=2,fsdp=4', '--memory')
+  assert 'full data=2,fsdp=4: loss' in run.stdout and 'ratio 0.125' in run.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('spec', ['none', 'full', 'sqrt', 'qkv_proj_offloaded'])
+def test_policies_on_meshes_equal_one_device(spec):
+  _worker('grads', spec, 'fsdp=8', 'data=2,fsdp=4')
+
+
+@pytest.mark.slow
+def test_one_device_program_takes_the_whole_state():
+  _worker('memory')
+
+
+@pytest.mark.slow
+def test_two_processes_resume_on_other_meshes_equal_one_program(tmp_path):
+  """2 processes x 4 devices == 1 x 8; saved on fsdp=8, resumed on fsdp=4 and on one device."""
+  data = tmp_path / 'corpus.txt'
+  data.write_text(''.join(f'def f{i}(x):\n    return x * {i} + {i % 7}\n' for i in range(400)))
+  ref = tmp_path / 'ref'
+  _finish(_train(*RUN, f'--data={data}', '--mesh=fsdp=8', f'--out={ref}', devices=8))
+  want = _losses(ref)
+
+  with socket.socket() as s:   # a free port for the coordinator
+    s.bind(('localhost', 0))
+    port = s.getsockname()[1]
+  multi = tmp_path / 'multi'
+  procs = [_train(*RUN, f'--data={data}', '--mesh=fsdp=8', f'--out={multi}',
+                  f'--coordinator=localhost:{port}', '--num-processes=2', f'--process-id={i}',
+                  devices=4) for i in range(2)]
+  outs = [_finish(p) for p in procs]
+  assert 'done: step 4' in outs[0] and 'done' not in outs[1]  # process 0 speaks for the run
+  np.testing.assert_allclose(_losses(multi), want, rtol=1e-5, atol=1e-5)
+  assert sorted(p.name for p in (multi / 'checkpoints').iterdir()) == ['2', '4']
+
+  for mesh, devices in (('--mesh=fsdp=4', 4), ('--mesh=data=2,fsdp=2', 4), (None, 1)):
+    out = tmp_path / f'resumed-{devices}-{mesh}'
+    shutil.copytree(ref, out)
+    shutil.rmtree(out / 'checkpoints' / '4')   # as if the run had died after step 2's save
+    args = ['--resume', f'--out={out}', '--no-memory-report'] + ([mesh] if mesh else [])
+    stdout = _finish(_train(*args, devices=devices))
+    assert 'resumed step 2' in stdout
+    np.testing.assert_allclose(_losses(out), want, rtol=1e-5, atol=1e-5, err_msg=str(mesh))
+
+
+# Workers -------------------------------------------------------------------------------------
+def _grads_worker(spec: str, meshes: list[str]):
+  import jax
+  from configs import load_config
+  from numerics import assert_trees_close
+  from training.mesh import Placement
+  from training.tasks import Task
+  assert jax.device_count() == 8
+  task = Task(load_config('tiny').model)
+  model = task.model(spec)
+  # One jitted init, not hundreds of eagerly dispatched ops (the same values).
+  params = jax.jit(lambda: task.init_variables(model, 0, 32)[0])()
+  batch = np.random.default_rng(0).integers(0, 256, size=(8, 33)).astype(np.int32)
+  rng = jax.random.PRNGKey(1)   # dropout on: its masks must not depend on the sharding
+  loss = lambda p, b: task.loss(model, p, {}, b, rng)[0]
+  want_loss, want_grads = jax.jit(jax.value_and_grad(loss))(params, batch)
+  for mesh in meshes:
+    place = Placement.from_spec(mesh, 8)
+    p_sh, b_sh = place.state_shardings(params), place.batch_shardings(batch)
+    fn = jax.jit(jax.value_and_grad(loss), in_shardings=(p_sh, b_sh),
+                 out_shardings=(place.replicated(), p_sh))
+    got_loss, got_grads = fn(place.put(params, p_sh), place.put(batch, b_sh))
+    wte = got_grads['wte']['embedding']
+    # [vocab 256, d_model 128]: split on the vocabulary axis, the larger one.
+    assert wte.sharding.spec == jax.sharding.PartitionSpec('fsdp'), wte.sharding
+    assert len(wte.addressable_shards) == 8 and wte.addressable_shards[0].data.shape == (
+        256 // place.mesh.shape['fsdp'], 128)
+    assert_trees_close(got_loss, want_loss, err_msg=f'{spec} {mesh} loss: ')
+    assert_trees_close(got_grads, want_grads, err_msg=f'{spec} {mesh} grads: ')
+    print(f'{spec} {mesh}: loss {float(got_loss):.6f} == {float(want_loss):.6f}')
+
+
+def _memory_worker(full: bool):
+  import jax
+  from configs import load_config
+  from remat.memory import compiled_memory
+  from training import steps as st
+  from training.mesh import Placement
+  from training.tasks import Task
+  task = Task(load_config('tiny').model)
+  model, tx = task.model('full'), st.make_optimizer(1e-3, 100, 10, 0.1, 1.0)
+  state, batch = st.abstract_inputs(model, tx, 8, 32)
+  batch_bytes = batch.size * batch.dtype.itemsize
+  eight = compiled_memory(Placement.from_spec('fsdp=8', 8).compile_train_step(
+      model, tx, 0, state, batch, True))
+  # Arguments are the state (parameters + optimizer state + step) and the batch (also split 8
+  # ways). One device's program takes the whole state: the sum of its arrays' bytes (the slow
+  # test compiles it to check that this is what XLA reports).
+  one_state = sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(state))
+  if full:
+    one = compiled_memory(Placement(None).compile_train_step(model, tx, 0, state, batch, True))
+    assert one.argument - batch_bytes == one_state, (one.argument, one_state)
+  eight_state = eight.argument - batch_bytes // 8
+  print(f'state bytes per device: fsdp=8 {eight_state}, one device {one_state}, '
+        f'ratio {eight_state / one_state:.5f}')
+  assert eight_state <= one_state / 8 * 1.05, (eight_state, one_state)
+
+
+if __name__ == '__main__':
+  sys.path[:0] = [str(ROOT), str(HERE)]
+  if sys.argv[1] == 'grads':
+    _grads_worker(sys.argv[2], [a for a in sys.argv[3:] if not a.startswith('--')])
+    if '--memory' in sys.argv:
+      _memory_worker(full=False)
+  elif sys.argv[1] == 'memory':
+    _memory_worker(full=True)
+  else:
+    raise SystemExit(f'unknown worker {sys.argv[1]}')
