@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "allocator's peak_bytes_in_use (needs a GPU)")
   p.add_argument('--json', metavar='FILE', help='write every figure and the environment as JSON')
   p.add_argument('--plot', metavar='FILE', help='write a PNG of memory against recompute')
+  p.add_argument('--mesh', metavar='AXIS=N,...', default=None,
+                 help='per-device plan of the train step on a device mesh (axes data, fsdp; '
+                      'docs/sharding.md); on CPU simulate the devices with '
+                      'XLA_FLAGS=--xla_force_host_platform_device_count=N')
   p.add_argument('--sweep', metavar='depth=N,N,...|resolution=S,S,...',
                  help=f"depth (or, for vit/resnet, image-side) sweep of {', '.join(SWEEP_POLICIES)} "
                       'instead of the policy table')
@@ -148,6 +152,32 @@ def _policy_report(args, named, fam, size, target, header) -> dict:
   return {'policies': rows}
 
 
+def _mesh_report(args, named, fam, size, target, header) -> dict:
+  """Per-device plan of each policy's train step on ``--mesh`` (:mod:`training.mesh_plan`)."""
+  from training.mesh import Placement, format_mesh, parse_mesh
+  from training.mesh_plan import format_plan, plan_row
+  if args.sweep or args.time or args.device_peak or args.plot:
+    raise ValueError('--mesh plans the policy table only: drop --sweep, --time, --device-peak '
+                     'and --plot')
+  if target.sharding is not None:
+    raise ValueError(f'--mesh plans on the local devices; --target {target.name} compiles for '
+                     'one abstract GPU (docs/sharding.md: 8 x H100/H200)')
+  place = Placement.from_spec(args.mesh, args.batch_size)
+  case = zoo.case(named.model, args.batch_size, size)
+  tags = sorted(case.tags())
+  policies = measuring.resolve_policies(parse_specs(args.policies, fam.policies, tags), set(tags),
+                                        case.num_layers)
+  state, batch = case.step_args()
+  from tqdm import tqdm
+  rows = [plan_row(place, case.train_step(p).step, state, batch, p.spec)
+          for p in tqdm(policies, desc='compiling', unit='policy', file=sys.stderr)]
+  mesh = format_mesh(parse_mesh(args.mesh))
+  print(format_plan(rows, header.replace(', compile only', f', mesh {mesh} over '
+                                         f'{place.mesh.size} {jax.default_backend()} devices, '
+                                         'per device, compile only')))
+  return {'mesh': mesh, 'mesh_plan': rows}
+
+
 def main(argv=None) -> int:
   prefer_cpu_without_gpu()
   args = build_parser().parse_args(argv)
@@ -165,7 +195,11 @@ def main(argv=None) -> int:
     header = (f'# {what}, {fam.arch} {named.name}, batch {args.batch_size} x {dims}, '
               f'float32, target {target.name} ({target.description}), compile only'
               f'{" + timed on the local backend" if args.time else ""} (jax {jax.__version__})')
-    body = (_sweep_report if args.sweep else _policy_report)(args, named, fam, size, target, header)
+    if args.mesh:
+      body = _mesh_report(args, named, fam, size, target, header)
+    else:
+      body = (_sweep_report if args.sweep else _policy_report)(args, named, fam, size, target,
+                                                               header)
   except (PolicyError, TargetError, ValueError, RuntimeError) as e:
     print(f'{PROG}: error: {e}', file=sys.stderr)
     return 2
