@@ -11,6 +11,7 @@ your own function use ``python -m remat.report --fn``.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import jax
@@ -159,10 +160,11 @@ def _mesh_report(args, named, fam, size, target, header) -> dict:
   if args.sweep or args.time or args.device_peak or args.plot:
     raise ValueError('--mesh plans the policy table only: drop --sweep, --time, --device-peak '
                      'and --plot')
-  if target.sharding is not None:
-    raise ValueError(f'--mesh plans on the local devices; --target {target.name} compiles for '
-                     'one abstract GPU (docs/sharding.md: 8 x H100/H200)')
-  place = Placement.from_spec(args.mesh, args.batch_size)
+  devices = None
+  if target.sharding is not None:   # a GPU target: a host of abstract GPUs, one per mesh slot
+    from training.mesh_plan import gpu_devices
+    devices = gpu_devices(target.name, math.prod(parse_mesh(args.mesh).values()))
+  place = Placement.from_spec(args.mesh, args.batch_size, devices)
   case = zoo.case(named.model, args.batch_size, size)
   tags = sorted(case.tags())
   policies = measuring.resolve_policies(parse_specs(args.policies, fam.policies, tags), set(tags),
@@ -172,9 +174,10 @@ def _mesh_report(args, named, fam, size, target, header) -> dict:
   rows = [plan_row(place, case.train_step(p).step, state, batch, p.spec)
           for p in tqdm(policies, desc='compiling', unit='policy', file=sys.stderr)]
   mesh = format_mesh(parse_mesh(args.mesh))
+  where = target.name if devices else f'{jax.default_backend()} device'
   print(format_plan(rows, header.replace(', compile only', f', mesh {mesh} over '
-                                         f'{place.mesh.size} {jax.default_backend()} devices, '
-                                         'per device, compile only')))
+                                         f'{place.mesh.size} x {where}, per device, '
+                                         'compile only')))
   return {'mesh': mesh, 'mesh_plan': rows}
 
 

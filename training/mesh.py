@@ -119,8 +119,9 @@ class Placement:
     self.mesh = mesh
 
   @classmethod
-  def from_spec(cls, text: str | None, batch_size: int | None = None) -> 'Placement':
-    """The placement of a ``--mesh`` string (None: one device).
+  def from_spec(cls, text: str | None, batch_size: int | None = None,
+                devices=None) -> 'Placement':
+    """The placement of a ``--mesh`` string (None: one device) over ``devices`` (default: all).
 
     Raises:
       MeshError: a bad string, a device count that does not match, or a batch
@@ -129,7 +130,7 @@ class Placement:
     if text is None:
       return cls(None)
     sizes = parse_mesh(text)
-    mesh = make_mesh(sizes)
+    mesh = make_mesh(sizes, devices)
     shards = math.prod(sizes[a] for a in BATCH_AXES)
     if batch_size is not None and batch_size % shards:
       raise MeshError(f'--batch-size {batch_size} does not split over --mesh {text} '

@@ -15,7 +15,9 @@ device. This module splits it into shares:
 * ``peak`` as :class:`remat.memory.MemoryStats` defines it.
 
 Compile only: nothing is allocated, so a mesh of simulated CPU devices
-(``XLA_FLAGS=--xla_force_host_platform_device_count=8``) plans any model shape.
+(``XLA_FLAGS=--xla_force_host_platform_device_count=8``) plans any model shape,
+and so does a mesh of abstract GPUs (:func:`gpu_devices`: the deviceless GPU
+compiler of the gpu-plan extra plans one host of N H100s or H200s).
 """
 
 from __future__ import annotations
@@ -23,8 +25,22 @@ from __future__ import annotations
 import jax
 
 from remat.memory import MemoryStats, compiled_memory, format_bytes
-from remat.targets import compiler_options
+from remat.targets import GPU_TARGETS, TARGET_DIR, compiler_options
 from training.mesh import Placement
+
+
+def gpu_devices(target: str, count: int) -> list:
+  """``count`` abstract devices of GPU ``target`` ('h100', 'h200') on one host, for planning.
+
+  Needs the jax-cuda12 plugin (gpu-plan extra); no GPU or CUDA libraries.
+  ``jax.experimental.topologies`` names a topology
+  ``slices x hosts-per-slice x devices-per-host``; one host of ``count`` GPUs
+  is ``1x1xcount``.
+  """
+  from jax.experimental import topologies
+  text = (TARGET_DIR / GPU_TARGETS[target]).read_text()
+  return list(topologies.get_topology_desc(platform='cuda', target_config=text,
+                                           topology=f'1x1x{count}').devices)
 
 
 def shard_bytes(tree, shardings) -> int:
@@ -41,9 +57,10 @@ def shard_bytes(tree, shardings) -> int:
 
 def plan_row(place: Placement, step_fn, state, batch, spec: str) -> dict:
   """Compiles ``step_fn(state, batch)`` on ``place``'s mesh; returns the per-device shares."""
+  platform = place.mesh.devices.flat[0].platform   # 'cpu', or 'gpu' for abstract GPUs
   compiled = place.jit_train_step(step_fn, state, batch).lower(state, batch).compile(
-      compiler_options=compiler_options() or None)
-  mem: MemoryStats = compiled_memory(compiled)
+      compiler_options=compiler_options('cpu' if platform == 'cpu' else 'gpu') or None)
+  mem: MemoryStats = compiled_memory(compiled, platform)
   sh = place.state_shardings(state)
   params = shard_bytes(state.params, sh.params) + shard_bytes(state.model_state, sh.model_state)
   opt = shard_bytes(state.opt_state, sh.opt_state)
