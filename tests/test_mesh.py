@@ -104,6 +104,14 @@ def test_bad_process_flags_are_one_line_exit_2(argv, needle, capsys, tmp_path):
   assert len(lines) == 1 and needle in lines[0]
 
 
+def test_report_bad_mesh_is_one_line_exit_2(capsys):
+  from bench import report
+  assert report.main(['--mesh', 'fsdp=8,tensor=2']) == 2
+  lines = capsys.readouterr().err.strip().splitlines()
+  assert lines == ["bench.report: error: --mesh 'fsdp=8,tensor=2': unknown axis 'tensor'; "
+                   'valid: data, fsdp']
+
+
 # 8 simulated devices, in a subprocess ----------------------------------------------------------
 def test_full_on_a_mesh_equals_one_device_and_fsdp_divides_the_state():
   """`full` on data=2,fsdp=4 (both axes at once); per-device state bytes on fsdp=8.
