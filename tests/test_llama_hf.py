@@ -237,3 +237,45 @@ def test_init_from_fine_tunes_the_tiny_config(tmp_path, capsys):
   restored, meta = restore(out, state, warn=pytest.fail)
   assert meta['config'] == 'llama-tiny'
   assert_trees_close(restored.params, variables['params'])
+
+
+# The baselines' torch Llama (baselines.compare --model llama) is built from our config's fields.
+BASELINE_FIELDS = {'vocab_size': 64, 'd_model': 32, 'num_layers': 4, 'num_heads': 4,
+                   'num_kv_heads': 2, 'mlp_dim': 48, 'max_len': 32, 'rms_norm_eps': 1e-5,
+                   'rope_theta': 10000.0, 'tie_embeddings': False,
+                   'rope_scaling': {'factor': 8.0, 'low_freq_factor': 1.0,
+                                    'high_freq_factor': 4.0, 'original_max_position_embeddings': 16}}
+
+
+def _baseline_grads(family):
+  from baselines.torch_models import build_model, make_batch
+  from baselines.torch_policies import apply_policy
+  net = apply_policy('llama', build_model('llama', BASELINE_FIELDS, seed=0), family)
+  batch = make_batch('llama', BASELINE_FIELDS, 2, 16, seed=0)
+  loss = net(**batch).loss
+  loss.backward()
+  return net, batch, loss.item(), {n: p.grad.numpy() for n, p in net.named_parameters()}
+
+
+def test_baseline_llama_is_our_config():
+  """The torch side's model computes what ours computes from the same config and weights."""
+  from models.llama import LlamaConfig
+  net, batch, t_loss, t_grads = _baseline_grads('none')
+  config = LlamaConfig(**BASELINE_FIELDS)
+  params = from_state_dict('llama', {k: v.detach().numpy() for k, v in net.state_dict().items()},
+                           config)['params']
+  task = Task(config)
+  ids = batch['input_ids'].numpy().astype(np.int32)   # HF shifts labels = inputs
+  loss, grads = jax.value_and_grad(
+      lambda p: task.loss(task.model('none'), p, {}, jnp.asarray(ids))[0])(params)
+  # Ours predicts from L - 1 positions of the L ids, HF's forward runs over all L: same loss.
+  assert_trees_close(float(loss), t_loss)
+  assert_trees_close(grads, from_state_dict('llama', t_grads, config)['params'])
+
+
+@pytest.mark.parametrize('family', ['hf', 'block', 'sqrt', 'selective'])
+def test_baseline_families_give_the_gradients_of_none(family):
+  _, _, loss, grads = _baseline_grads(family)
+  ref_loss, ref_grads = _baseline_grads('none')[2:]
+  assert_trees_close(loss, ref_loss)
+  assert_trees_close(grads, ref_grads)
