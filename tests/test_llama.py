@@ -23,12 +23,13 @@ CFG = LlamaConfig(vocab_size=64, d_model=32, num_layers=3, num_heads=4, num_kv_h
                   max_len=16, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64), tie_embeddings=False)
 T = 12
 
-# bfloat16 rounds to 8 significant bits (relative step 2**-8 = 0.0039). A policy recomputes a
-# layer with the same operations, but XLA may fuse (and so round) the recomputation differently
-# from the forward pass, so a recomputed activation can differ from the saved one by an ulp,
-# and the gradients built on it by a few ulps of their terms. 2e-2 of the tree's largest
-# gradient is five bf16 ulps; a wrong gradient (a dropped term, a stale residual) is off by
-# O(1) of the affected leaf. The measured worst error is asserted separately to be well under it.
+# bfloat16 keeps 8 significant bits (relative step 2**-8 = 0.0039). A policy recomputes a layer
+# with the same operations, so on XLA CPU (jax 0.10.2) every policy below gives none's bf16
+# gradients bit for bit (measured: worst error 0). A backend may fuse, and so round, a
+# recomputation differently from the forward pass: a recomputed activation may then differ by
+# an ulp, and the gradients built on it by a few ulps of their terms. 2e-2 of the tree's largest
+# gradient is five bf16 ulps of headroom for that; a wrong gradient (a dropped term, a stale
+# residual) is off by O(1) of the affected leaf.
 BF16_RTOL = 2e-2
 
 
@@ -79,6 +80,14 @@ def test_too_long_a_sequence_is_one_line():
 
 def test_emits_exactly_its_tags():
   assert Task(CFG).emitted_tags(T) == set(TAGS)
+
+
+def test_presets_naming_gpt_mlpwi_fail_in_one_line():
+  """MaxText's minimal lists the ungated mlpwi, which a gated MLP does not emit."""
+  from remat.policies import PolicyError, get_policy
+  with pytest.raises(PolicyError, match="'minimal': unknown tag.*mlpwi.*this model emits") as info:
+    get_policy('minimal', num_layers=CFG.num_layers, tags=Task(CFG).emitted_tags(T))
+  assert '\n' not in str(info.value)
 
 
 def test_gqa_equals_multi_head_with_repeated_key_value_heads():
