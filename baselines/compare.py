@@ -133,8 +133,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                       + ', '.join(f'{m} -> {c}' for m, c in DEFAULT_CONFIG.items()))
   p.add_argument('--batch-size', type=int, required=True, help='examples per step')
   p.add_argument('--seq-len', type=int, default=None,
-                 help=f'gpt2/llama: predicted tokens per row, L (JAX windows [B, L+1], torch input_ids '
-                      f'[B, L+1]); default min({DEFAULT_SEQ_LEN}, max_len)')
+                 help=f'gpt2/llama: predicted tokens per row, L (JAX windows [B, L+1], torch '
+                      f'input_ids [B, L+1]); default min({DEFAULT_SEQ_LEN}, max_len)')
   p.add_argument('--image-size', type=int, default=None,
                  help="vit/resnet: image side in pixels (default: the config's)")
   p.add_argument('--families', default=None,

@@ -92,7 +92,7 @@ def gpt2_config(fields: dict, attn_implementation: str = 'sdpa') -> transformers
 
 
 def llama_config(fields: dict, attn_implementation: str = 'sdpa') -> transformers.LlamaConfig:
-  """HF ``LlamaConfig`` for our Llama fields (unknown fields, ``dtype`` and ``loss_chunk``, ignored)."""
+  """HF ``LlamaConfig`` for our Llama fields (unknown ones, dtype and loss_chunk ignored)."""
   f = _with_defaults(fields, LLAMA_DEFAULTS)
   scaling = f['rope_scaling']
   if scaling is not None:  # a dict (dataclasses.asdict of our RopeScaling)
@@ -146,7 +146,8 @@ def input_shape(model: str, fields: dict, seq_len: int | None = None,
   """
   check_model(model)
   if model in LANGUAGE_MODELS:
-    max_len = fields.get('max_len', (GPT_DEFAULTS if model == 'gpt2' else LLAMA_DEFAULTS)['max_len'])
+    defaults = GPT_DEFAULTS if model == 'gpt2' else LLAMA_DEFAULTS
+    max_len = fields.get('max_len', defaults['max_len'])
     seq_len = seq_len or max_len
     if not 1 <= seq_len <= max_len:
       raise ValueError(f'seq_len {seq_len} must be in 1..{max_len} (the model max_len)')
@@ -202,7 +203,8 @@ def build_model(model: str, fields: dict, *, image_size: int | None = None, seed
 def blocks(model: str, net: torch.nn.Module) -> list[torch.nn.Module]:
   """The model's repeated blocks in execution order, the unit the policy families checkpoint.
 
-  GPT-2: ``transformer.h[i]``; Llama: ``model.layers[i]``; ViT: ``vit.layers[i]`` (``vit.encoder.layer[i]``
+  GPT-2: ``transformer.h[i]``; Llama: ``model.layers[i]``; ViT: ``vit.layers[i]``
+  (``vit.encoder.layer[i]``
   in transformers 4.x); ResNet: every layer of every stage,
   ``resnet.encoder.stages[s].layers[j]``, flattened in order.
   """

@@ -201,7 +201,8 @@ def from_state_dict(arch: str, tensors: dict[str, np.ndarray], config, where: st
 
   Returns:
     ``{'params': ..., 'batch_stats': ...}`` (the latter for ResNet) of float32
-    numpy arrays (bfloat16 and float16 checkpoints are widened exactly), with exactly our model's tree and shapes.
+    numpy arrays (bfloat16 and float16 checkpoints are widened exactly), with exactly our
+    model's tree and shapes.
 
   Raises:
     HFImportError: one line, for missing or unknown keys or the first

@@ -1,4 +1,6 @@
-"""Hugging Face config fields and state-dict names -> our configs and parameter paths (GPT-2, Llama, ViT, ResNet).
+"""Hugging Face config fields and state-dict names -> our configs and parameter paths.
+
+Models: GPT-2, Llama, ViT, ResNet.
 
 Pure numpy, no torch or transformers: :mod:`models.hf` reads the files and
 checks the result against our models; this module only maps names and
@@ -80,7 +82,7 @@ def gpt_config(hf: dict) -> GPTConfig:
 
 
 def _llama_rope(hf: dict) -> tuple[float, RopeScaling | None]:
-  """(rope_theta, rope_scaling) from transformers 4's ``rope_theta``/``rope_scaling`` or 5's ``rope_parameters``."""
+  """(rope_theta, rope_scaling): transformers 4's two fields or 5's ``rope_parameters``."""
   params = hf.get('rope_parameters') or {}
   theta = float(params.get('rope_theta', hf.get('rope_theta', 10000.0)))
   scaling = hf.get('rope_scaling') or params
@@ -100,7 +102,7 @@ def _llama_rope(hf: dict) -> tuple[float, RopeScaling | None]:
 
 
 def llama_config(hf: dict) -> LlamaConfig:
-  """LlamaConfig fields (transformers 4 or 5) -> our LlamaConfig (dtype float32: the weights are read as float32)."""
+  """LlamaConfig fields (transformers 4 or 5) -> our LlamaConfig (dtype float32, as read)."""
   act = hf.get('hidden_act', 'silu')
   _check(act == 'silu', f"Llama with hidden_act '{act}' is not supported (only silu)")
   for flag in ('attention_bias', 'mlp_bias'):
@@ -263,7 +265,7 @@ _LLAMA_LINEAR = {'self_attn/q_proj': 'self_attn.q_proj', 'self_attn/k_proj': 'se
 
 
 def llama_variables(sd: StateDict):
-  """LlamaForCausalLM / LlamaModel keys -> our Llama params (``lm_head`` when the config is untied)."""
+  """LlamaForCausalLM / LlamaModel keys -> our Llama params (``lm_head`` for an untied config)."""
   n = _layers(sd, 'layers.{i}.')
   emb = sd.take('embed_tokens.weight')
   sd.put('params/embed_tokens/embedding', emb, sd.name('embed_tokens.weight'))
@@ -363,4 +365,5 @@ def resnet_variables(sd: StateDict):
 
 
 VARIABLES: dict[str, Callable[[StateDict], Any]] = {
-    'gpt': gpt_variables, 'llama': llama_variables, 'vit': vit_variables, 'resnet': resnet_variables}
+    'gpt': gpt_variables, 'llama': llama_variables, 'vit': vit_variables,
+    'resnet': resnet_variables}

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2) in Flax linen, its layers stacked by :class:`remat.LayerStack`.
+"""Llama-family decoder (Llama 2/3, SmolLM2) in Flax linen, on :class:`remat.LayerStack`.
 
 Pre-RMSNorm blocks, rotary position embeddings (with Llama 3's frequency
 scaling), grouped-query attention, a SwiGLU MLP, no biases, tied or untied
@@ -162,7 +162,7 @@ class LlamaConfig:
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
-  """Rotary inverse frequencies ``[head_dim / 2]`` (float32), Llama 3-scaled when ``scaling`` is set.
+  """Rotary inverse frequencies ``[head_dim / 2]`` (float32), Llama 3-scaled if ``scaling`` is set.
 
   Computed in float64 and rounded once: HF rounds each step in float32, which
   differs by an ulp or so (far inside the test tolerances).
@@ -182,7 +182,7 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -
 
 
 def rotary_tables(cfg: LlamaConfig, length: int):
-  """``(cos, sin)`` ``[T, Dh]`` in float32 for positions ``0..T-1`` (HF's layout: halves repeated)."""
+  """``(cos, sin)`` ``[T, Dh]``, float32, for positions ``0..T-1`` (halves repeated, as HF)."""
   inv_freq = jnp.asarray(rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
   angles = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]
   angles = jnp.concatenate([angles, angles], axis=-1)
@@ -190,7 +190,7 @@ def rotary_tables(cfg: LlamaConfig, length: int):
 
 
 def apply_rotary(x, cos, sin):
-  """Rotates ``[B, T, heads, Dh]`` by position (HF's ``rotate_half`` convention), in ``x``'s dtype."""
+  """Rotates ``[B, T, heads, Dh]`` by position (HF's ``rotate_half`` layout), in ``x``'s dtype."""
   cos, sin = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
   half = x.shape[-1] // 2
   rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
@@ -226,7 +226,7 @@ class Dense(nn.Module):
 
 
 class RMSNorm(nn.Module):
-  """``x / rms(x) * scale``: statistics in float32, the result (and the scaling) in ``dtype``, as HF."""
+  """``x / rms(x) * scale``: statistics in float32, result and scaling in ``dtype`` (as HF)."""
   epsilon: float
   dtype: str = 'float32'
 
@@ -283,7 +283,7 @@ class Block(nn.Module):
 
 
 class Embed(nn.Module):
-  """The token embedding ``[vocab, D]``, float32; only the looked-up rows are cast (by the caller)."""
+  """The token embedding ``[vocab, D]``, float32; the caller casts only the looked-up rows."""
   vocab_size: int
   features: int
 

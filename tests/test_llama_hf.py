@@ -22,7 +22,7 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
 from configs import load_config  # noqa: E402
-from models.hf import HFImportError, from_state_dict, load_hf, load_hf_config  # noqa: E402
+from models.hf import from_state_dict, load_hf, load_hf_config  # noqa: E402
 from models.llama import RopeScaling  # noqa: E402
 from numerics import assert_trees_close  # noqa: E402
 from test_hf_parity import _enable_checkpointing, _one_line_error  # noqa: E402
@@ -243,8 +243,8 @@ def test_init_from_fine_tunes_the_tiny_config(tmp_path, capsys):
 BASELINE_FIELDS = {'vocab_size': 64, 'd_model': 32, 'num_layers': 4, 'num_heads': 4,
                    'num_kv_heads': 2, 'mlp_dim': 48, 'max_len': 32, 'rms_norm_eps': 1e-5,
                    'rope_theta': 10000.0, 'tie_embeddings': False,
-                   'rope_scaling': {'factor': 8.0, 'low_freq_factor': 1.0,
-                                    'high_freq_factor': 4.0, 'original_max_position_embeddings': 16}}
+                   'rope_scaling': {'factor': 8.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0,
+                                    'original_max_position_embeddings': 16}}
 
 
 def _baseline_grads(family):
