@@ -1,6 +1,6 @@
 """JAX (our policies) against PyTorch (HF models + torch checkpointing) per policy family, one table.
 
-``python -m baselines.compare --model gpt2|vit|resnet [--config NAME] --batch-size B
+``python -m baselines.compare --model gpt2|llama|vit|resnet [--config NAME] --batch-size B
 [--seq-len L | --image-size S] [--families none,hf,block,sqrt,selective] [--steps N]
 [--json FILE] [--plot FILE]``
 
@@ -97,9 +97,13 @@ FAMILY_POLICY = {
 }
 FAMILIES = tuple(FAMILY_POLICY)
 # --model -> our arch.
-MODEL_ARCH = {'gpt2': 'gpt', 'vit': 'vit', 'resnet': 'resnet'}
+MODEL_ARCH = {'gpt2': 'gpt', 'llama': 'llama', 'vit': 'vit', 'resnet': 'resnet'}
 MODELS = tuple(MODEL_ARCH)
-DEFAULT_CONFIG = {'gpt2': 'gpt2-small', 'vit': 'vit-b16-224', 'resnet': 'resnet-50'}
+# Our archs whose size is a sequence length (training.tasks.LANGUAGE_ARCHS, not imported here:
+# resolve() runs before anything heavy is).
+LANGUAGE_ARCHS = ('gpt', 'llama')
+DEFAULT_CONFIG = {'gpt2': 'gpt2-small', 'llama': 'llama-tiny', 'vit': 'vit-b16-224',
+                  'resnet': 'resnet-50'}
 DEFAULT_SEQ_LEN = 128  # capped at the config's max_len
 # What bench.zoo gives the JAX step: training.steps.make_optimizer(**bench.zoo.OPTIMIZER).
 JAX_OPTIMIZER = {'name': 'optax adamw (clip_by_global_norm first)', 'b1': 0.9, 'b2': 0.95,
@@ -129,8 +133,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                       + ', '.join(f'{m} -> {c}' for m, c in DEFAULT_CONFIG.items()))
   p.add_argument('--batch-size', type=int, required=True, help='examples per step')
   p.add_argument('--seq-len', type=int, default=None,
-                 help=f'gpt2: predicted tokens per row, L (JAX windows [B, L+1], torch input_ids '
-                      f'[B, L+1]); default min({DEFAULT_SEQ_LEN}, max_len)')
+                 help=f'gpt2/llama: predicted tokens per row, L (JAX windows [B, L+1], torch '
+                      f'input_ids [B, L+1]); default min({DEFAULT_SEQ_LEN}, max_len)')
   p.add_argument('--image-size', type=int, default=None,
                  help="vit/resnet: image side in pixels (default: the config's)")
   p.add_argument('--families', default=None,
@@ -151,8 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
 @dataclasses.dataclass(frozen=True)
 class Setup:
   """What is measured, checked: model, config, shapes and families."""
-  model: str                   # gpt2 | vit | resnet
-  arch: str                    # gpt | vit | resnet
+  model: str                   # gpt2 | llama | vit | resnet
+  arch: str                    # gpt | llama | vit | resnet
   named: object                # configs.NamedConfig
   batch_size: int
   size: int                    # JAX size: seq_len L (gpt) or image side S
@@ -161,7 +165,7 @@ class Setup:
 
   @property
   def vision(self) -> bool:
-    return self.arch != 'gpt'
+    return self.arch not in LANGUAGE_ARCHS
 
 
 def _parse_families(text: str | None) -> tuple[str, ...]:
@@ -189,15 +193,15 @@ def resolve(args) -> Setup:
     raise CompareError(f"--model {args.model} (our '{arch}') does not match config {named.name}, "
                        f"a '{named.arch}' model")
   families = _parse_families(args.families)
-  vision = arch != 'gpt'
+  vision = arch not in LANGUAGE_ARCHS
   if vision:
     if args.seq_len is not None:
-      raise CompareError(f'--seq-len applies to gpt2; {named.name} is a {arch} config '
+      raise CompareError(f'--seq-len applies to gpt2 and llama; {named.name} is a {arch} config '
                          '(use --image-size)')
     size = args.image_size if args.image_size is not None else named.model.image_size
   else:
     if args.image_size is not None:
-      raise CompareError(f'--image-size applies to vit and resnet; {named.name} is a gpt config '
+      raise CompareError(f'--image-size applies to vit and resnet; {named.name} is a {arch} config '
                          '(use --seq-len)')
     size = (args.seq_len if args.seq_len is not None
             else min(DEFAULT_SEQ_LEN, named.model.max_len))

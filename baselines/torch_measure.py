@@ -54,7 +54,7 @@ import time
 import torch
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-from baselines.torch_models import build_model, input_shape, make_batch
+from baselines.torch_models import LANGUAGE_MODELS, build_model, input_shape, make_batch
 from baselines.torch_policies import apply_policy, check_supported
 
 _aten = torch.ops.aten
@@ -75,7 +75,7 @@ class TorchMeasurement:
   """What one policy family's train step costs in PyTorch.
 
   Attributes:
-    model: 'gpt2' | 'vit' | 'resnet'.
+    model: 'gpt2' | 'llama' | 'vit' | 'resnet'.
     family: the policy family (see :mod:`baselines.torch_policies`).
     batch_size: B.
     seq_len: L for GPT-2 (tokens per row); None for the image models.
@@ -167,7 +167,7 @@ def measure_torch(model: str, model_fields: dict, family: str, batch_size: int,
   """Measures one train step of ``model`` under policy ``family``.
 
   Args:
-    model: 'gpt2' | 'vit' | 'resnet'.
+    model: 'gpt2' | 'llama' | 'vit' | 'resnet'.
     model_fields: the ``"model"`` dict of one of our JSON configs.
     family: 'none' | 'hf' | 'block' | 'sqrt' | 'selective'.
     batch_size: B.
@@ -192,8 +192,9 @@ def measure_torch(model: str, model_fields: dict, family: str, batch_size: int,
     RuntimeError: the fresh process failed (its last stderr line in the message).
   """
   check_supported(model, family)
-  seq_len, image_size = input_shape(model, model_fields, seq_len if model == 'gpt2' else None,
-                                    image_size if model != 'gpt2' else None)
+  language = model in LANGUAGE_MODELS
+  seq_len, image_size = input_shape(model, model_fields, seq_len if language else None,
+                                    None if language else image_size)
   if steps < 1:
     raise ValueError(f'steps must be >= 1, got {steps}')
   device = device or ('cuda' if torch.cuda.is_available() else 'cpu')

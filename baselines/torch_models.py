@@ -10,6 +10,12 @@ ignored, and a missing field takes the default of our Flax dataclass
         d_model -> n_embd, dropout -> embd_pdrop = attn_pdrop = resid_pdrop,
         layer_norm_eps -> layer_norm_epsilon
         (MLP 4 * d_model, 'gelu_new', tied embeddings: HF's defaults)
+    llama: LlamaForCausalLM
+        vocab_size, d_model -> hidden_size, num_layers -> num_hidden_layers,
+        num_heads -> num_attention_heads, num_kv_heads -> num_key_value_heads,
+        mlp_dim -> intermediate_size, max_len -> max_position_embeddings, rms_norm_eps,
+        rope_theta, rope_scaling (llama3), tie_embeddings -> tie_word_embeddings
+        (silu, no biases; float32 whatever our config's dtype)
     vit: ViTForImageClassification
         image_size, patch_size, channels -> num_channels, num_classes -> num_labels,
         num_layers -> num_hidden_layers, num_heads -> num_attention_heads,
@@ -34,9 +40,12 @@ from __future__ import annotations
 import torch
 import transformers
 
-MODELS = ('gpt2', 'vit', 'resnet')
+MODELS = ('gpt2', 'llama', 'vit', 'resnet')
+# The models fed token sequences (the others take images).
+LANGUAGE_MODELS = ('gpt2', 'llama')
 MODEL_CLASSES = {
     'gpt2': transformers.GPT2LMHeadModel,
+    'llama': transformers.LlamaForCausalLM,
     'vit': transformers.ViTForImageClassification,
     'resnet': transformers.ResNetForImageClassification,
 }
@@ -44,6 +53,9 @@ MODEL_CLASSES = {
 # Defaults of our Flax dataclasses, for fields a config leaves out.
 GPT_DEFAULTS = {'vocab_size': 256, 'max_len': 256, 'num_layers': 6, 'num_heads': 4, 'd_model': 128,
                 'dropout': 0.1, 'layer_norm_eps': 1e-5}
+LLAMA_DEFAULTS = {'vocab_size': 256, 'd_model': 128, 'num_layers': 4, 'num_heads': 4,
+                  'num_kv_heads': 2, 'mlp_dim': 384, 'max_len': 256, 'rms_norm_eps': 1e-5,
+                  'rope_theta': 10000.0, 'rope_scaling': None, 'tie_embeddings': True}
 VIT_DEFAULTS = {'image_size': 32, 'patch_size': 4, 'channels': 3, 'num_classes': 10,
                 'num_layers': 6, 'num_heads': 4, 'd_model': 128, 'mlp_dim': 512, 'dropout': 0.0,
                 'attention_dropout': 0.0, 'layer_norm_eps': 1e-12}
@@ -79,6 +91,23 @@ def gpt2_config(fields: dict, attn_implementation: str = 'sdpa') -> transformers
       bos_token_id=last, eos_token_id=last, attn_implementation=attn_implementation)
 
 
+def llama_config(fields: dict, attn_implementation: str = 'sdpa') -> transformers.LlamaConfig:
+  """HF ``LlamaConfig`` for our Llama fields (unknown ones, dtype and loss_chunk ignored)."""
+  f = _with_defaults(fields, LLAMA_DEFAULTS)
+  scaling = f['rope_scaling']
+  if scaling is not None:  # a dict (dataclasses.asdict of our RopeScaling)
+    scaling = {'rope_type': 'llama3', **scaling}
+  last = f['vocab_size'] - 1
+  return transformers.LlamaConfig(
+      vocab_size=f['vocab_size'], hidden_size=f['d_model'], intermediate_size=f['mlp_dim'],
+      num_hidden_layers=f['num_layers'], num_attention_heads=f['num_heads'],
+      num_key_value_heads=f['num_kv_heads'], max_position_embeddings=f['max_len'],
+      rms_norm_eps=f['rms_norm_eps'], rope_theta=f['rope_theta'], rope_scaling=scaling,
+      tie_word_embeddings=f['tie_embeddings'], hidden_act='silu', attention_bias=False,
+      mlp_bias=False, use_cache=False, bos_token_id=last, eos_token_id=last, pad_token_id=None,
+      attn_implementation=attn_implementation)
+
+
 def vit_config(fields: dict, image_size: int | None = None,
                attn_implementation: str = 'sdpa') -> transformers.ViTConfig:
   """HF ``ViTConfig`` for our ViT fields; ``image_size`` (if given) replaces the config's."""
@@ -107,7 +136,7 @@ def input_shape(model: str, fields: dict, seq_len: int | None = None,
                 image_size: int | None = None) -> tuple[int | None, int | None]:
   """``(seq_len, image_size)`` of the model's input, defaults filled in and checked.
 
-  GPT-2 takes ``seq_len`` (default: the config's ``max_len``) and no image
+  GPT-2 and Llama take ``seq_len`` (default: the config's ``max_len``) and no image
   size; ViT and ResNet take ``image_size`` (default: the config's) and no
   sequence length.
 
@@ -116,8 +145,9 @@ def input_shape(model: str, fields: dict, seq_len: int | None = None,
       side that the model cannot take (ViT: not a multiple of ``patch_size``).
   """
   check_model(model)
-  if model == 'gpt2':
-    max_len = fields.get('max_len', GPT_DEFAULTS['max_len'])
+  if model in LANGUAGE_MODELS:
+    defaults = GPT_DEFAULTS if model == 'gpt2' else LLAMA_DEFAULTS
+    max_len = fields.get('max_len', defaults['max_len'])
     seq_len = seq_len or max_len
     if not 1 <= seq_len <= max_len:
       raise ValueError(f'seq_len {seq_len} must be in 1..{max_len} (the model max_len)')
@@ -136,7 +166,7 @@ def input_shape(model: str, fields: dict, seq_len: int | None = None,
 def build_model(model: str, fields: dict, *, image_size: int | None = None, seed: int = 0,
                 device: str | torch.device = 'cpu',
                 attn_implementation: str = 'sdpa') -> torch.nn.Module:
-  """The HF model for ``model`` ('gpt2' | 'vit' | 'resnet') with our config's shape.
+  """The HF model for ``model`` ('gpt2' | 'llama' | 'vit' | 'resnet') with our config's shape.
 
   Args:
     model: model name, one of :data:`MODELS`.
@@ -145,7 +175,7 @@ def build_model(model: str, fields: dict, *, image_size: int | None = None, seed
       (default: the config's ``image_size``); ignored by the others.
     seed: ``torch.manual_seed`` before the weights are drawn (sets torch's global seed).
     device: where the float32 weights live.
-    attn_implementation: HF attention backend for GPT-2 and ViT ('sdpa' or 'eager').
+    attn_implementation: HF attention backend for GPT-2, Llama and ViT ('sdpa' or 'eager').
 
   Returns:
     The model in train mode.
@@ -156,6 +186,8 @@ def build_model(model: str, fields: dict, *, image_size: int | None = None, seed
   check_model(model)
   if model == 'gpt2':
     config = gpt2_config(fields, attn_implementation)
+  elif model == 'llama':
+    config = llama_config(fields, attn_implementation)
   elif model == 'vit':
     _, image_size = input_shape('vit', fields, image_size=image_size)
     config = vit_config(fields, image_size, attn_implementation)
@@ -164,20 +196,23 @@ def build_model(model: str, fields: dict, *, image_size: int | None = None, seed
   torch.manual_seed(seed)
   net = MODEL_CLASSES[model](config).to(device=device, dtype=torch.float32)
   # The loss this model computes from ``labels`` (named so HF does not guess and warn).
-  net.loss_type = 'ForCausalLM' if model == 'gpt2' else 'ForImageClassification'
+  net.loss_type = 'ForCausalLM' if model in LANGUAGE_MODELS else 'ForImageClassification'
   return net.train()
 
 
 def blocks(model: str, net: torch.nn.Module) -> list[torch.nn.Module]:
   """The model's repeated blocks in execution order, the unit the policy families checkpoint.
 
-  GPT-2: ``transformer.h[i]``; ViT: ``vit.layers[i]`` (``vit.encoder.layer[i]``
+  GPT-2: ``transformer.h[i]``; Llama: ``model.layers[i]``; ViT: ``vit.layers[i]``
+  (``vit.encoder.layer[i]``
   in transformers 4.x); ResNet: every layer of every stage,
   ``resnet.encoder.stages[s].layers[j]``, flattened in order.
   """
   check_model(model)
   if model == 'gpt2':
     return list(net.transformer.h)
+  if model == 'llama':
+    return list(net.model.layers)
   if model == 'vit':
     vit = net.vit
     return list(vit.layers if hasattr(vit, 'layers') else vit.encoder.layer)
@@ -189,7 +224,7 @@ def make_batch(model: str, fields: dict, batch_size: int, seq_len: int | None = 
                device: str | torch.device = 'cpu') -> dict[str, torch.Tensor]:
   """Seeded random inputs and labels: ``model(**batch).loss`` is the training loss.
 
-  GPT-2: ``input_ids`` uniform over the vocabulary, [B, L], and
+  GPT-2 and Llama: ``input_ids`` uniform over the vocabulary, [B, L], and
   ``labels = input_ids`` (HF shifts them: next-token cross-entropy over
   B x (L - 1) positions). ViT and ResNet: ``pixel_values`` standard normal,
   [B, C, S, S] float32, and ``labels`` uniform over the classes, [B]
@@ -198,8 +233,9 @@ def make_batch(model: str, fields: dict, batch_size: int, seq_len: int | None = 
   """
   seq_len, image_size = input_shape(model, fields, seq_len, image_size)
   gen = torch.Generator().manual_seed(seed)
-  if model == 'gpt2':
-    vocab = fields.get('vocab_size', GPT_DEFAULTS['vocab_size'])
+  if model in LANGUAGE_MODELS:
+    vocab = fields.get('vocab_size', (GPT_DEFAULTS if model == 'gpt2' else
+                                      LLAMA_DEFAULTS)['vocab_size'])
     ids = torch.randint(0, vocab, (batch_size, seq_len), generator=gen)
     return {'input_ids': ids.to(device), 'labels': ids.to(device)}
   defaults = VIT_DEFAULTS if model == 'vit' else RESNET_DEFAULTS

@@ -130,7 +130,7 @@ def apply_policy(model: str, net: torch.nn.Module, family: str) -> torch.nn.Modu
   instances (parameter names are unchanged); ``hf`` sets HF's flag.
 
   Args:
-    model: 'gpt2' | 'vit' | 'resnet', the kind of ``net``.
+    model: 'gpt2' | 'llama' | 'vit' | 'resnet', the kind of ``net``.
     net: the model, changed in place.
     family: one of :data:`FAMILIES`.
 

@@ -33,6 +33,13 @@ _TRANSFORMER_POLICIES = ('none', 'full', 'dots', 'dots_no_batch', 'sqrt', 'full@
                          'save_qkv_proj', 'save_dot_except_mlp', 'qkv_proj_offloaded')
 
 
+# Llama's gated MLP emits mlpwi_0/mlpwi_1 (MaxText's names) where GPT-2 emits mlpwi, so the
+# presets that list mlpwi do not apply; the names: row is MaxText's minimal on Llama's tags.
+_LLAMA_POLICIES = ('none', 'full', 'dots', 'dots_no_batch', 'sqrt', 'full@sqrt',
+                   'names:query_proj,key_proj,value_proj,out_proj,mlpwi_0,mlpwi_1,mlpwo',
+                   'save_qkv_proj', 'save_dot_except_mlp', 'qkv_proj_offloaded')
+
+
 def _same_width_at_depth(cfg, n: int):
   return dataclasses.replace(cfg, num_layers=n)
 
@@ -48,7 +55,7 @@ class Family:
   """What the report needs to know about one model family.
 
   Attributes:
-    arch: 'gpt', 'vit' or 'resnet' (``training.tasks.Task.arch``).
+    arch: 'gpt', 'llama', 'vit' or 'resnet' (``training.tasks.Task.arch``).
     policies: the report's default policy set.
     vision: True when the size is an image side (else a sequence length).
     at_depth: ``at_depth(cfg, n)``: the config with ``n`` layers (depth sweeps).
@@ -72,6 +79,7 @@ class Family:
 
 FAMILIES = {f.arch: f for f in (
     Family('gpt', _TRANSFORMER_POLICIES, False, _same_width_at_depth),
+    Family('llama', _LLAMA_POLICIES, False, _same_width_at_depth),
     Family('vit', _TRANSFORMER_POLICIES, True, _same_width_at_depth),
     Family('resnet', ('none', 'full', 'dots', 'dots_no_batch', 'convs', 'save_conv_narrow',
                       'sqrt', 'full@sqrt', 'stage', 'full@stage', 'offload:conv1,conv2'),

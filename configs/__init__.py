@@ -1,6 +1,6 @@
 """Named model configs, one JSON file each in this folder.
 
-A file holds ``{"arch": "gpt"|"vit"|"resnet", "description": ..., "model": {...},
+A file holds ``{"arch": "gpt"|"llama"|"vit"|"resnet", "description": ..., "model": {...},
 "train": {...}}``:
 ``model`` fills the architecture's frozen config dataclass, ``train`` gives
 default training settings that command-line flags override.
@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from models.gpt import GPTConfig
+from models.llama import LlamaConfig
 from models.resnet import ResNetConfig
 from models.vit import ViTConfig
 
 CONFIG_DIR = Path(__file__).parent
-ARCHS = {'gpt': GPTConfig, 'vit': ViTConfig, 'resnet': ResNetConfig}
+ARCHS = {'gpt': GPTConfig, 'llama': LlamaConfig, 'vit': ViTConfig, 'resnet': ResNetConfig}
 # The config a model family uses when none is named.
-DEFAULT_CONFIG = {'gpt': 'tiny', 'vit': 'vit-tiny', 'resnet': 'resnet-tiny'}
+DEFAULT_CONFIG = {'gpt': 'tiny', 'llama': 'llama-tiny', 'vit': 'vit-tiny', 'resnet': 'resnet-tiny'}
 
 
 @dataclasses.dataclass(frozen=True)

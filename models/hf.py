@@ -1,9 +1,11 @@
-"""Import Hugging Face GPT-2, ViT and ResNet checkpoints into our Flax models.
+"""Import Hugging Face GPT-2, Llama, ViT and ResNet checkpoints into our Flax models.
 
 A checkpoint is a local ``save_pretrained`` folder: ``config.json`` (read with
 :mod:`json`) and ``model.safetensors`` or a sharded
-``model.safetensors.index.json`` (read with ``safetensors.numpy``). Neither
-torch nor transformers is imported, and pickles (``pytorch_model.bin``) are
+``model.safetensors.index.json`` (read by :func:`read_safetensors`: the
+format's JSON header and raw little-endian arrays, bfloat16 included, memory
+mapped; float32, float16 and bfloat16 weights become float32). Neither torch
+nor transformers is imported, and pickles (``pytorch_model.bin``) are
 never loaded. The name and layout mapping is in :mod:`models.hf_layout`; the
 result is checked leaf by leaf against the variables our model's ``init``
 produces (traced with :func:`jax.eval_shape`, nothing allocated).
@@ -26,14 +28,15 @@ import pathlib
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 
 from models.hf_layout import CONFIGS, MODEL_TYPES, VARIABLES, HFImportError, StateDict, _few
 from training.tasks import ARCH_OF, Task
 
-__all__ = ['HFImportError', 'load_hf', 'load_hf_config', 'from_state_dict']
+__all__ = ['HFImportError', 'load_hf', 'load_hf_config', 'from_state_dict', 'read_safetensors']
 
-_NAMES = {'gpt': 'GPT-2', 'vit': 'ViT', 'resnet': 'ResNet'}
+_NAMES = {'gpt': 'GPT-2', 'llama': 'Llama', 'vit': 'ViT', 'resnet': 'ResNet'}
 _PREFIX = {arch: prefix for arch, prefix in MODEL_TYPES.values()}
 
 
@@ -76,7 +79,7 @@ def load_hf_config(path) -> tuple[str, Any]:
     path: a ``save_pretrained`` folder.
 
   Returns:
-    ``(arch, config)``: 'gpt', 'vit' or 'resnet' and our config dataclass.
+    ``(arch, config)``: 'gpt', 'llama', 'vit' or 'resnet' and our config dataclass.
 
   Raises:
     HFImportError: one line, for a missing folder or config, another
@@ -109,19 +112,68 @@ def _read_tensors(p: pathlib.Path) -> tuple[dict[str, np.ndarray], str]:
                         'model.safetensors')
   else:
     raise HFImportError(f'{p} has no model.safetensors')
-  try:
-    from safetensors.numpy import load_file
-  except ImportError:
-    raise HFImportError('reading model.safetensors needs the safetensors package '
-                        '(pip install safetensors)') from None
+  missing = [f.name for f in files if not f.is_file()]
+  if missing:
+    raise HFImportError(f'{index} names weight files that are missing: {_few(missing, 2)}')
   tensors = {}
   for f in files:
-    try:
-      tensors.update(load_file(str(f)))
-    except Exception as e:  # safetensors raises its own error types for damaged files
-      first = (str(e).splitlines() or [type(e).__name__])[0]
-      raise HFImportError(f'cannot read {f}: {first}') from None
+    tensors.update(read_safetensors(f))
   return tensors, files[0].name if len(files) == 1 else index.name
+
+
+# safetensors dtype names -> numpy dtypes (bfloat16 from ml_dtypes, which JAX depends on).
+_SAFETENSORS_DTYPES = {'F64': np.float64, 'F32': np.float32, 'F16': np.float16,
+                       'BF16': ml_dtypes.bfloat16, 'I64': np.int64, 'I32': np.int32,
+                       'I16': np.int16, 'I8': np.int8, 'U8': np.uint8, 'BOOL': np.bool_}
+
+
+def read_safetensors(file) -> dict[str, np.ndarray]:
+  """The tensors of one ``.safetensors`` file, as read-only numpy arrays over a memory map.
+
+  The format is an 8-byte little-endian header length, a JSON header (name ->
+  dtype, shape, byte range) and the raw arrays. Read here rather than with
+  ``safetensors.numpy``, whose numpy has no bfloat16 (the dtype Llama
+  checkpoints are published in); nothing is executed or unpickled.
+
+  Raises:
+    HFImportError: one line, for an unreadable or damaged file or an unsupported dtype.
+  """
+  file = pathlib.Path(file)
+  bad = lambda why: HFImportError(f'cannot read {file}: {why}')
+  try:
+    data = np.memmap(file, dtype=np.uint8, mode='r')
+  except (OSError, ValueError) as e:
+    raise bad(str(e).splitlines()[0] if str(e) else 'empty file') from None
+  if data.size < 8:
+    raise bad('too short for a safetensors header')
+  n = int(np.frombuffer(data[:8].tobytes(), '<u8')[0])
+  if n > data.size - 8:
+    raise bad(f'header length {n} exceeds the file')
+  try:
+    header = json.loads(data[8:8 + n].tobytes())
+  except ValueError as e:
+    raise bad(f'header is not JSON ({str(e).splitlines()[0]})') from None
+  if not isinstance(header, dict):
+    raise bad('header is not a JSON object')
+  body = data[8 + n:]
+  out = {}
+  for name, info in header.items():
+    if name == '__metadata__':
+      continue
+    try:
+      dtype, shape, (begin, end) = info['dtype'], tuple(info['shape']), info['data_offsets']
+    except (TypeError, KeyError, ValueError):
+      raise bad(f'malformed header entry for {name}') from None
+    if dtype not in _SAFETENSORS_DTYPES:
+      raise bad(f'{name} has dtype {dtype}, not one of {", ".join(_SAFETENSORS_DTYPES)}')
+    np_dtype = np.dtype(_SAFETENSORS_DTYPES[dtype]).newbyteorder('<')
+    if not (0 <= begin <= end <= body.size
+            and end - begin == np_dtype.itemsize * int(np.prod(shape, dtype=np.int64))):
+      raise bad(f'{name}: byte range {begin}..{end} does not hold a {dtype} array of shape '
+                f'{list(shape)} within the file')
+    out[name] = np.frombuffer(body, np_dtype, count=(end - begin) // np_dtype.itemsize,
+                              offset=begin).reshape(shape)
+  return out
 
 
 @functools.lru_cache(maxsize=16)
@@ -142,20 +194,21 @@ def from_state_dict(arch: str, tensors: dict[str, np.ndarray], config, where: st
   gradients given in HF's layout to ours.
 
   Args:
-    arch: 'gpt', 'vit' or 'resnet'.
+    arch: 'gpt', 'llama', 'vit' or 'resnet'.
     tensors: HF state-dict name -> array (numpy or anything ``np.asarray`` takes).
     config: our config dataclass the result must fit.
     where: how messages name the source.
 
   Returns:
     ``{'params': ..., 'batch_stats': ...}`` (the latter for ResNet) of float32
-    numpy arrays, with exactly our model's tree and shapes.
+    numpy arrays (bfloat16 and float16 checkpoints are widened exactly), with exactly our
+    model's tree and shapes.
 
   Raises:
     HFImportError: one line, for missing or unknown keys or the first
       parameter whose shape does not fit ``config``.
   """
-  sd = StateDict({k: np.asarray(v) for k, v in tensors.items()}, _PREFIX[arch], where)
+  sd = StateDict({k: np.asarray(v) for k, v in tensors.items()}, _PREFIX[arch], where, config)
   VARIABLES[arch](sd)
   extra = sd.leftovers()
   if extra:
@@ -188,7 +241,7 @@ def load_hf(path, expect_arch: str | None = None, config=None) -> tuple[str, Any
   Args:
     path: a ``save_pretrained`` folder (GPT2LMHeadModel / GPT2Model,
       ViTForImageClassification, ResNetForImageClassification).
-    expect_arch: if given ('gpt', 'vit' or 'resnet'), the checkpoint must be of it.
+    expect_arch: if given ('gpt', 'llama', 'vit' or 'resnet'), the checkpoint must be of it.
     config: if given (our config dataclass), the checkpoint's shapes must fit
       it, and it is returned instead of the one read from ``config.json``.
 

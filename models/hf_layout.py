@@ -1,5 +1,7 @@
 """Hugging Face config fields and state-dict names -> our configs and parameter paths.
 
+Models: GPT-2, Llama, ViT, ResNet.
+
 Pure numpy, no torch or transformers: :mod:`models.hf` reads the files and
 checks the result against our models; this module only maps names and
 layouts. Each ``*_variables`` function reads a :class:`StateDict` and fills
@@ -21,12 +23,13 @@ from typing import Any, Callable
 import numpy as np
 
 from models.gpt import GPTConfig
+from models.llama import LlamaConfig, RopeScaling
 from models.resnet import ResNetConfig
 from models.vit import ViTConfig
 
 # HF model_type -> (our arch, base-model prefix of the body's keys).
-MODEL_TYPES = {'gpt2': ('gpt', 'transformer.'), 'vit': ('vit', 'vit.'),
-               'resnet': ('resnet', 'resnet.')}
+MODEL_TYPES = {'gpt2': ('gpt', 'transformer.'), 'llama': ('llama', 'model.'),
+               'vit': ('vit', 'vit.'), 'resnet': ('resnet', 'resnet.')}
 
 
 class HFImportError(ValueError):
@@ -78,6 +81,49 @@ def gpt_config(hf: dict) -> GPTConfig:
                    layer_norm_eps=float(hf.get('layer_norm_epsilon', 1e-5)))
 
 
+def _llama_rope(hf: dict) -> tuple[float, RopeScaling | None]:
+  """(rope_theta, rope_scaling): transformers 4's two fields or 5's ``rope_parameters``."""
+  params = hf.get('rope_parameters') or {}
+  theta = float(params.get('rope_theta', hf.get('rope_theta', 10000.0)))
+  scaling = hf.get('rope_scaling') or params
+  kind = scaling.get('rope_type', scaling.get('type', 'default'))
+  if kind == 'default':
+    return theta, None
+  _check(kind == 'llama3', f"Llama with rope_type '{kind}' is not supported (only default and "
+         'llama3)')
+  fields = ('factor', 'low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings')
+  missing = [f for f in fields if f not in scaling]
+  _check(not missing, f"Llama rope_scaling llama3 lacks {', '.join(missing)}")
+  _check(scaling.get('attention_factor') in (None, 1.0),
+         'Llama rope_scaling with attention_factor != 1 is not supported')
+  return theta, RopeScaling(float(scaling['factor']), float(scaling['low_freq_factor']),
+                            float(scaling['high_freq_factor']),
+                            int(scaling['original_max_position_embeddings']))
+
+
+def llama_config(hf: dict) -> LlamaConfig:
+  """LlamaConfig fields (transformers 4 or 5) -> our LlamaConfig (dtype float32, as read)."""
+  act = hf.get('hidden_act', 'silu')
+  _check(act == 'silu', f"Llama with hidden_act '{act}' is not supported (only silu)")
+  for flag in ('attention_bias', 'mlp_bias'):
+    _check(not hf.get(flag, False), f'Llama with {flag}=true is not supported (our Llama has no '
+           'biases)')
+  d, heads = int(hf.get('hidden_size', 4096)), int(hf.get('num_attention_heads', 32))
+  head_dim = hf.get('head_dim')
+  _check(head_dim is None or heads * int(head_dim) == d,
+         f'Llama with head_dim {head_dim} != hidden_size / num_attention_heads is not supported')
+  theta, scaling = _llama_rope(hf)
+  kv = hf.get('num_key_value_heads')
+  return LlamaConfig(vocab_size=int(hf.get('vocab_size', 32000)), d_model=d,
+                     num_layers=int(hf.get('num_hidden_layers', 32)), num_heads=heads,
+                     num_kv_heads=heads if kv is None else int(kv),
+                     mlp_dim=int(hf.get('intermediate_size', 11008)),
+                     max_len=int(hf.get('max_position_embeddings', 2048)),
+                     rms_norm_eps=float(hf.get('rms_norm_eps', 1e-6)), rope_theta=theta,
+                     rope_scaling=scaling,
+                     tie_embeddings=bool(hf.get('tie_word_embeddings', False)))
+
+
 def vit_config(hf: dict) -> ViTConfig:
   """ViTConfig fields -> our ViTConfig; rejects variants our ViT does not compute."""
   act = hf.get('hidden_act', 'gelu')
@@ -108,7 +154,7 @@ def resnet_config(hf: dict) -> ResNetConfig:
                       num_classes=_num_labels(hf), channels=int(hf.get('num_channels', 3)))
 
 
-CONFIGS = {'gpt': gpt_config, 'vit': vit_config, 'resnet': resnet_config}
+CONFIGS = {'gpt': gpt_config, 'llama': llama_config, 'vit': vit_config, 'resnet': resnet_config}
 
 
 class StateDict:
@@ -117,9 +163,11 @@ class StateDict:
   Attributes:
     tensors: HF name -> numpy array.
     prefix: the base-model prefix (``transformer.``, ...) when the keys carry it, else ''.
+    config: our config the result is for (a layout may depend on it: Llama's tied head), or None.
   """
 
-  def __init__(self, tensors: dict[str, np.ndarray], base_prefix: str, where: str):
+  def __init__(self, tensors: dict[str, np.ndarray], base_prefix: str, where: str, config=None):
+    self.config = config
     self.tensors = tensors
     self.where = where
     self.prefix = base_prefix if any(k.startswith(base_prefix) for k in tensors) else ''
@@ -210,6 +258,36 @@ def gpt_variables(sd: StateDict):
            'embeddings are not supported')
 
 
+_LLAMA_LINEAR = {'self_attn/q_proj': 'self_attn.q_proj', 'self_attn/k_proj': 'self_attn.k_proj',
+                 'self_attn/v_proj': 'self_attn.v_proj', 'self_attn/o_proj': 'self_attn.o_proj',
+                 'mlp/gate_proj': 'mlp.gate_proj', 'mlp/up_proj': 'mlp.up_proj',
+                 'mlp/down_proj': 'mlp.down_proj'}
+
+
+def llama_variables(sd: StateDict):
+  """LlamaForCausalLM / LlamaModel keys -> our Llama params (``lm_head`` for an untied config)."""
+  n = _layers(sd, 'layers.{i}.')
+  emb = sd.take('embed_tokens.weight')
+  sd.put('params/embed_tokens/embedding', emb, sd.name('embed_tokens.weight'))
+  blk = 'params/layers/block'
+  for ours, hf in _LLAMA_LINEAR.items():
+    sd.stack(f'{blk}/{ours}/kernel', f'layers.{{i}}.{hf}.weight', n, _t)
+  for ln in ('input_layernorm', 'post_attention_layernorm'):
+    sd.stack(f'{blk}/{ln}/scale', f'layers.{{i}}.{ln}.weight', n)
+  sd.put('params/norm/scale', sd.take('norm.weight'), sd.name('norm.weight'))
+  sd.ignore(r'layers\.\d+\.self_attn\.rotary_emb\.inv_freq')  # a buffer in older checkpoints
+  tied = sd.config is None or sd.config.tie_embeddings
+  if tied:
+    if sd.has('lm_head.weight', head=True):
+      _check(np.array_equal(sd.take('lm_head.weight', head=True), emb),
+             f'{sd.where}: lm_head.weight differs from {sd.name("embed_tokens.weight")}, but the '
+             'config ties the embeddings (tie_embeddings)')
+  else:
+    head = sd.take('lm_head.weight', head=True,
+                   hint=' (a base LlamaModel, or a tied checkpoint for an untied config?)')
+    sd.put('params/lm_head/kernel', _t(head), 'lm_head.weight')
+
+
 # ViT layer names: as written to model.safetensors (transformers 4.x and 5.x), and as
 # transformers >= 5 names its modules in memory (its state_dict()).
 _VIT_FILE = {'attention/query': 'attention.attention.query',
@@ -287,4 +365,5 @@ def resnet_variables(sd: StateDict):
 
 
 VARIABLES: dict[str, Callable[[StateDict], Any]] = {
-    'gpt': gpt_variables, 'vit': vit_variables, 'resnet': resnet_variables}
+    'gpt': gpt_variables, 'llama': llama_variables, 'vit': vit_variables,
+    'resnet': resnet_variables}

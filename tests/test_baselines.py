@@ -182,7 +182,7 @@ def test_bad_names_are_one_line_value_errors():
                   match=r"^unknown policy family 'dots'; valid families: none, hf, block, sqrt, "
                         r'selective$')
   _one_line_error(measure_torch, 'bert', GPT, 'none', 1, 8, None,
-                  match=r"^unknown model 'bert'; valid models: gpt2, vit, resnet$")
+                  match=r"^unknown model 'bert'; valid models: gpt2, llama, vit, resnet$")
   _one_line_error(build_model, 'bert', GPT, match=r"^unknown model 'bert'")
   _one_line_error(measure_torch, 'resnet', RESNET_BASIC, 'hf', 1, None, 32,
                   match=r"'hf' .*ResNetForImageClassification.*; families for resnet: none, block, "

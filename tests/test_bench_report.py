@@ -30,7 +30,7 @@ def test_json_schema(tmp_path, capsys):
 
 
 @pytest.mark.parametrize('argv,needle', [
-    (['--model', 'bert'], "unknown model 'bert'; valid: gpt, vit, resnet"),
+    (['--model', 'bert'], "unknown model 'bert'; valid: gpt, llama, vit, resnet"),
     (['--model', 'vit', '--config', 'tiny'], '--model vit does not match config tiny'),
     (['--image-size', '64'], '--image-size applies to vit and resnet'),
     (['--model', 'vit', '--image-size', '30'], 'image size 30 is not a multiple of the patch size 4'),

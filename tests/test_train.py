@@ -123,7 +123,7 @@ def _cli(argv, capsys):
     (['--data=/dev/null'], "--data '/dev/null' is not a regular file or a folder"),
     (['--lr=nan'], '--lr must be a finite number > 0, got nan'),
     (['--remat=seg:\uff12'], 'segment size must be an integer >= 1'),
-    (['--model=bert'], "unknown --model 'bert'; valid: gpt, vit, resnet"),
+    (['--model=bert'], "unknown --model 'bert'; valid: gpt, llama, vit, resnet"),
     (['--model=vit', '--config=tiny'], '--model vit does not match config tiny (a gpt model)'),
     (['--model=vit', '--image-size=64'], 'its positions are learned for 32x32'),
     (['--model=resnet', '--image-size=16'], '--image-size must be >= 32 for a ResNet'),

@@ -2,11 +2,11 @@
 
 A :class:`Task` pairs a model config with its batch format and loss:
 
-* ``gpt``: batches of byte windows ``int32 [B, T + 1]``; next-byte cross-entropy.
+* ``gpt`` / ``llama``: batches of byte windows ``int32 [B, T + 1]``; next-byte cross-entropy.
 * ``vit`` / ``resnet``: batches ``{'images': float32 [B, S, S, C], 'labels': int32 [B]}``;
   classification cross-entropy, with accuracy as a metric.
 
-``size`` is the sequence length T for ``gpt`` and the image side S for vision.
+``size`` is the sequence length T for the language models and the image side S for vision.
 Models whose layers keep state (ResNet's BatchNorm ``batch_stats``) return the
 updated state from the loss; the train step carries it in ``TrainState``.
 """
@@ -23,11 +23,14 @@ import optax
 
 from models.gpt import GPT, GPTConfig
 from models.layers import chunked_cross_entropy, loss_chunk_tokens
+from models.llama import Llama, LlamaConfig, output_embedding
 from models.resnet import ResNet, ResNetConfig
 from models.vit import ViT, ViTConfig
 
-ARCH_OF = {GPTConfig: 'gpt', ViTConfig: 'vit', ResNetConfig: 'resnet'}
-_MODELS = {'gpt': GPT, 'vit': ViT, 'resnet': ResNet}
+# The language models: token windows in, next-token cross-entropy out.
+LANGUAGE_ARCHS = ('gpt', 'llama')
+ARCH_OF = {GPTConfig: 'gpt', LlamaConfig: 'llama', ViTConfig: 'vit', ResNetConfig: 'resnet'}
+_MODELS = {'gpt': GPT, 'llama': Llama, 'vit': ViT, 'resnet': ResNet}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +38,7 @@ class Task:
   """A model family with one config.
 
   Attributes:
-    config: a GPTConfig, ViTConfig or ResNetConfig.
+    config: a GPTConfig, LlamaConfig, ViTConfig or ResNetConfig.
   """
   config: Any
 
@@ -45,7 +48,7 @@ class Task:
 
   @property
   def is_vision(self) -> bool:
-    return self.arch != 'gpt'
+    return self.arch not in LANGUAGE_ARCHS
 
   @property
   def num_layers(self) -> int:
@@ -54,7 +57,7 @@ class Task:
 
   @property
   def default_size(self) -> int:
-    return self.config.max_len if self.arch == 'gpt' else self.config.image_size
+    return self.config.image_size if self.is_vision else self.config.max_len
 
   def model(self, policy) -> nn.Module:
     return _MODELS[self.arch](self.config, policy)
@@ -69,7 +72,7 @@ class Task:
       ValueError: one line, when the size does not fit the model.
     """
     cfg = self.config
-    if self.arch == 'gpt':
+    if not self.is_vision:
       if size > cfg.max_len:
         raise ValueError(f'sequence length {size} exceeds the model max_len {cfg.max_len}')
       return self
@@ -83,7 +86,7 @@ class Task:
 
   def batch_shape(self, batch_size: int, size: int):
     """Abstract batch (ShapeDtypeStructs) of ``batch_size`` examples at ``size``."""
-    if self.arch == 'gpt':
+    if not self.is_vision:
       return jax.ShapeDtypeStruct((batch_size, size + 1), jnp.int32)
     return {'images': jax.ShapeDtypeStruct((batch_size, size, size, self.config.channels),
                                            jnp.float32),
@@ -96,7 +99,7 @@ class Task:
 
   def init_input(self, size: int):
     """The model input used for ``init``: one example at ``size``."""
-    if self.arch == 'gpt':
+    if not self.is_vision:
       return jnp.zeros((1, size), jnp.int32)
     return jnp.zeros((1, size, size, self.config.channels), jnp.float32)
 
@@ -125,7 +128,7 @@ class Task:
     train = dropout_rng is not None
     rngs = {'dropout': dropout_rng} if train else None
     variables = {'params': params, **model_state}
-    if self.arch == 'gpt':
+    if not self.is_vision:
       return self._lm_loss(model, variables, batch, train, rngs), (dict(model_state), {})
     mutable = list(model_state) if train and model_state else False
     inputs = batch['images']
@@ -137,16 +140,19 @@ class Task:
     return loss, (dict(new_state), metrics)
 
   def _lm_loss(self, model: nn.Module, variables, windows, train: bool, rngs):
-    """Mean next-token cross-entropy of a GPT over ``windows`` [B, T + 1].
+    """Mean next-token cross-entropy of a GPT or Llama over ``windows`` [B, T + 1].
 
-    The tied output layer is computed here from the final hidden states: in
+    The output layer (GPT's tied ``wte``; Llama's tied embedding or untied
+    ``lm_head``, in float32) is computed here from the final hidden states: in
     chunks of ``config.loss_chunk`` tokens (:func:`models.layers.chunked_cross_entropy`:
     the [B*T, V] logits and their gradient never exist), or plainly when the
     vocabulary is small enough that one chunk covers the batch. Same value and
     gradients either way, within float32 rounding.
     """
     inputs, labels = windows[:, :-1], windows[:, 1:]
-    emb = variables['params']['wte']['embedding']
+    params = variables['params']
+    emb = (output_embedding(params, self.config) if self.arch == 'llama'
+           else params['wte']['embedding'])
     chunk = loss_chunk_tokens(emb.shape[0], labels.size, self.config.loss_chunk)
     if not chunk:
       logits = model.apply(variables, inputs, deterministic=not train, rngs=rngs)

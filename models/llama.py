@@ -1,0 +1,356 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2) in Flax linen, on :class:`remat.LayerStack`.
+
+Pre-RMSNorm blocks, rotary position embeddings (with Llama 3's frequency
+scaling), grouped-query attention, a SwiGLU MLP, no biases, tied or untied
+output embeddings, as Hugging Face's ``LlamaForCausalLM`` computes them.
+
+Parameter names follow Hugging Face's so an import is a mechanical mapping
+(``layers.{i}`` is index ``i`` of the stacked leaves under ``layers/block``;
+torch ``Linear`` weights ``[out, in]`` are our kernels ``[in, out]``)::
+
+    embed_tokens/embedding                          model.embed_tokens.weight
+    layers/block/input_layernorm/scale              model.layers.{i}.input_layernorm.weight
+    layers/block/self_attn/{q,k,v,o}_proj/kernel    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight
+    layers/block/post_attention_layernorm/scale     model.layers.{i}.post_attention_layernorm.weight
+    layers/block/mlp/{gate,up,down}_proj/kernel     model.layers.{i}.mlp.{gate,up,down}_proj.weight
+    norm/scale                                      model.norm.weight
+    lm_head/kernel (untied only)                    lm_head.weight
+
+Mixed precision (``LlamaConfig.dtype``): parameters are created and stored in
+float32 (master weights; the optimizer state follows them), cast to ``dtype``
+where they are used; activations are in ``dtype``. RMSNorm statistics, the
+softmax and the output layer with its cross-entropy run in float32, then cast
+back. Parameter gradients are float32 (the transpose of a cast is a cast).
+
+Activations are tagged with ``checkpoint_name`` where they are created, with
+MaxText's decoder names (see :data:`TAGS`), so ``names:...`` policies and the
+MaxText presets select them as MaxText users know them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from models.layers import attention
+from remat.policies import Policy, get_policy
+from remat.stack import LayerStack
+
+# Every checkpoint name the Llama block emits (tests check the traced model agrees).
+# H: query heads, K: key/value heads, Dh: head width, F: MLP width.
+TAGS = {
+    'query_proj': 'query projection before rotary embedding, [B, T, H, Dh]',
+    'key_proj': 'key projection before rotary embedding, [B, T, K, Dh]',
+    'value_proj': 'value projection, [B, T, K, Dh]',
+    'context': 'attention output before the output projection, [B, T, H, Dh]',
+    'out_proj': 'attention output projection, [B, T, D]',
+    'mlpwi_0': 'MLP gate projection, before SiLU, [B, T, F]',
+    'mlpwi_1': 'MLP up projection, [B, T, F]',
+    'mlp_hidden': 'silu(gate) * up, the down projection input, [B, T, F]: saving it instead of '
+                  'mlpwi_0 and mlpwi_1 keeps half the bytes but recomputes both MLP input matmuls',
+    'mlpwo': 'MLP down projection, [B, T, D]',
+}
+
+DTYPES = ('float32', 'bfloat16')
+_INIT_STD = 0.02   # HF LlamaConfig.initializer_range
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Llama 3's rotary frequency scaling (HF ``rope_scaling`` with ``rope_type: 'llama3'``).
+
+  Wavelengths longer than ``original_max_position_embeddings / low_freq_factor``
+  are stretched by ``factor``, those shorter than ``... / high_freq_factor`` kept,
+  and those between interpolated smoothly (:func:`rope_frequencies`).
+  """
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+
+  def __post_init__(self):
+    if not self.factor > 0:
+      raise ValueError(f'RopeScaling.factor must be > 0, got {self.factor}')
+    if not 0 < self.low_freq_factor < self.high_freq_factor:
+      raise ValueError(f'RopeScaling needs 0 < low_freq_factor < high_freq_factor, got '
+                       f'{self.low_freq_factor} and {self.high_freq_factor}')
+    if self.original_max_position_embeddings < 1:
+      raise ValueError('RopeScaling.original_max_position_embeddings must be >= 1, got '
+                       f'{self.original_max_position_embeddings}')
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """Shape and numerics of a Llama-family model (names of HF ``LlamaConfig`` in brackets).
+
+  Attributes:
+    vocab_size: tokens (256 for byte-level text) [vocab_size].
+    d_model: width [hidden_size].
+    num_layers: decoder blocks [num_hidden_layers].
+    num_heads: query heads [num_attention_heads]; the head width is d_model / num_heads.
+    num_kv_heads: key/value heads, dividing num_heads (grouped-query attention;
+      equal to num_heads for multi-head attention) [num_key_value_heads].
+    mlp_dim: SwiGLU width [intermediate_size].
+    max_len: longest sequence the model accepts [max_position_embeddings];
+      no parameter depends on it.
+    rms_norm_eps: RMSNorm epsilon [rms_norm_eps].
+    rope_theta: rotary base [rope_theta].
+    rope_scaling: None, or Llama 3's frequency scaling (a :class:`RopeScaling`
+      or a dict of its fields, as a JSON config gives it) [rope_scaling].
+    tie_embeddings: the output layer reuses the input embedding [tie_word_embeddings].
+    loss_chunk: tokens per chunk of the training loss's output layer, as
+      ``GPTConfig.loss_chunk`` (:func:`models.layers.chunked_cross_entropy`):
+      None picks chunks of <= 64 MiB of float32 logits, 0 the plain loss.
+    dtype: 'float32' or 'bfloat16': activations and matmuls (parameters stay float32).
+  """
+  vocab_size: int = 256
+  d_model: int = 128
+  num_layers: int = 4
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  mlp_dim: int = 384
+  max_len: int = 256
+  rms_norm_eps: float = 1e-5
+  rope_theta: float = 10000.0
+  rope_scaling: RopeScaling | None = None
+  tie_embeddings: bool = True
+  loss_chunk: int | None = None
+  dtype: str = 'float32'
+
+  def __post_init__(self):
+    for f in ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads', 'mlp_dim',
+              'max_len'):
+      if getattr(self, f) < 1:
+        raise ValueError(f'LlamaConfig.{f} must be >= 1, got {getattr(self, f)}')
+    if self.d_model % self.num_heads:
+      raise ValueError(f'LlamaConfig.d_model ({self.d_model}) must be divisible by num_heads '
+                       f'({self.num_heads})')
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f'LlamaConfig.num_kv_heads ({self.num_kv_heads}) must divide num_heads '
+                       f'({self.num_heads})')
+    if self.head_dim % 2:
+      raise ValueError(f'LlamaConfig head width d_model / num_heads = {self.head_dim} must be '
+                       'even for rotary embeddings')
+    if not self.rms_norm_eps > 0:
+      raise ValueError(f'LlamaConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps}')
+    if not self.rope_theta > 1:
+      raise ValueError(f'LlamaConfig.rope_theta must be > 1, got {self.rope_theta}')
+    if isinstance(self.rope_scaling, dict):   # from a JSON config (or dataclasses.asdict)
+      fields = {f.name for f in dataclasses.fields(RopeScaling)}
+      unknown = sorted(set(self.rope_scaling) - fields)
+      if unknown:
+        raise ValueError(f"LlamaConfig.rope_scaling: unknown field(s) {', '.join(unknown)}; "
+                         f"valid: {', '.join(sorted(fields))}")
+      object.__setattr__(self, 'rope_scaling', RopeScaling(**self.rope_scaling))
+    if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+      raise ValueError(f'LlamaConfig.rope_scaling must be None, a RopeScaling or a dict, got '
+                       f'{self.rope_scaling!r:.60}')
+    if self.loss_chunk is not None and self.loss_chunk < 0:
+      raise ValueError(f'LlamaConfig.loss_chunk must be >= 0 or None, got {self.loss_chunk}')
+    if self.dtype not in DTYPES:
+      raise ValueError(f"LlamaConfig.dtype must be one of {', '.join(DTYPES)}, got '{self.dtype}'")
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+  """Rotary inverse frequencies ``[head_dim / 2]`` (float32), Llama 3-scaled if ``scaling`` is set.
+
+  Computed in float64 and rounded once: HF rounds each step in float32, which
+  differs by an ulp or so (far inside the test tolerances).
+  """
+  inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+  if scaling is not None:
+    old = scaling.original_max_position_embeddings
+    low_wavelen = old / scaling.low_freq_factor    # longer: stretched by factor
+    high_wavelen = old / scaling.high_freq_factor  # shorter: kept
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    between = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    inv_freq = np.where(wavelen > low_wavelen, inv_freq / scaling.factor,
+                        np.where(wavelen < high_wavelen, inv_freq, between))
+  return inv_freq.astype(np.float32)
+
+
+def rotary_tables(cfg: LlamaConfig, length: int):
+  """``(cos, sin)`` ``[T, Dh]``, float32, for positions ``0..T-1`` (halves repeated, as HF)."""
+  inv_freq = jnp.asarray(rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+  angles = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+  angles = jnp.concatenate([angles, angles], axis=-1)
+  return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rotary(x, cos, sin):
+  """Rotates ``[B, T, heads, Dh]`` by position (HF's ``rotate_half`` layout), in ``x``'s dtype."""
+  cos, sin = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  return x * cos + rotated * sin
+
+
+def _gqa_attention(q, k, v, dtype):
+  """Causal attention of ``q`` [B, T, H, Dh] over ``k``, ``v`` [B, T, K, Dh]; context [B, T, H, Dh].
+
+  Stand-in until the blockwise GQA attention (models/attention.py) lands:
+  each key/value head is repeated for its H / K query heads (HF's
+  ``repeat_kv`` order) and the shared attention runs in float32 (so the
+  softmax is float32 whatever ``dtype``), its context cast back to ``dtype``.
+  """
+  groups = q.shape[2] // k.shape[2]
+  k, v = (jnp.repeat(a, groups, axis=2) for a in (k, v))
+  f32 = lambda a: a.astype(jnp.float32)
+  ctx = attention(f32(q), f32(k), f32(v), causal=True, dropout_rate=0.0, deterministic=True,
+                  rng=None)
+  return ctx.astype(dtype)
+
+
+class Dense(nn.Module):
+  """A bias-free ``x @ kernel``: the kernel stored float32, used in ``dtype``."""
+  features: int
+  dtype: str = 'float32'
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param('kernel', nn.initializers.normal(_INIT_STD), (x.shape[-1], self.features),
+                        jnp.float32)
+    return jnp.dot(x.astype(self.dtype), kernel.astype(self.dtype))
+
+
+class RMSNorm(nn.Module):
+  """``x / rms(x) * scale``: statistics in float32, result and scaling in ``dtype`` (as HF)."""
+  epsilon: float
+  dtype: str = 'float32'
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param('scale', nn.initializers.ones, (x.shape[-1],), jnp.float32)
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.epsilon)
+    return normed.astype(self.dtype) * scale.astype(self.dtype)
+
+
+class Attention(nn.Module):
+  """Grouped-query causal self-attention with rotary embeddings."""
+  config: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x, cos, sin):
+    cfg = self.config
+    b, t, _ = x.shape
+    proj = lambda heads, name: Dense(heads * cfg.head_dim, cfg.dtype, name=name)(x).reshape(
+        b, t, heads, cfg.head_dim)
+    q = checkpoint_name(proj(cfg.num_heads, 'q_proj'), 'query_proj')
+    k = checkpoint_name(proj(cfg.num_kv_heads, 'k_proj'), 'key_proj')
+    v = checkpoint_name(proj(cfg.num_kv_heads, 'v_proj'), 'value_proj')
+    ctx = _gqa_attention(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, cfg.dtype)
+    out = Dense(cfg.d_model, cfg.dtype, name='o_proj')(ctx.reshape(b, t, cfg.d_model))
+    return checkpoint_name(out, 'out_proj')
+
+
+class MLP(nn.Module):
+  """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+  config: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x):
+    cfg = self.config
+    gate = checkpoint_name(Dense(cfg.mlp_dim, cfg.dtype, name='gate_proj')(x), 'mlpwi_0')
+    up = checkpoint_name(Dense(cfg.mlp_dim, cfg.dtype, name='up_proj')(x), 'mlpwi_1')
+    hidden = checkpoint_name(nn.silu(gate) * up, 'mlp_hidden')
+    return checkpoint_name(Dense(cfg.d_model, cfg.dtype, name='down_proj')(hidden), 'mlpwo')
+
+
+class Block(nn.Module):
+  """Pre-norm decoder block, in the layer-stack convention ``(x, cos, sin) -> x``."""
+  config: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x, cos, sin):
+    cfg = self.config
+    h = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name='input_layernorm')(x)
+    x = x + Attention(cfg, name='self_attn')(h, cos, sin)
+    h = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name='post_attention_layernorm')(x)
+    return x + MLP(cfg, name='mlp')(h)
+
+
+class Embed(nn.Module):
+  """The token embedding ``[vocab, D]``, float32; the caller casts only the looked-up rows."""
+  vocab_size: int
+  features: int
+
+  def setup(self):
+    self.embedding = self.param('embedding', nn.initializers.normal(_INIT_STD),
+                                (self.vocab_size, self.features), jnp.float32)
+
+  def __call__(self, tokens):
+    return jnp.take(self.embedding, tokens, axis=0)
+
+
+class LMHead(nn.Module):
+  """The untied output layer: float32 ``x @ kernel``, kernel ``[D, vocab]``."""
+  vocab_size: int
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param('kernel', nn.initializers.normal(_INIT_STD),
+                        (x.shape[-1], self.vocab_size), jnp.float32)
+    return jnp.dot(x.astype(jnp.float32), kernel)
+
+
+def output_embedding(params, config: LlamaConfig):
+  """The output layer as ``[vocab, D]`` (what :func:`models.layers.chunked_cross_entropy` takes)."""
+  if config.tie_embeddings:
+    return params['embed_tokens']['embedding']
+  return params['lm_head']['kernel'].T
+
+
+class Llama(nn.Module):
+  """Llama language model returning float32 next-token logits [B, T, vocab].
+
+  ``return_hidden=True`` (or :meth:`hidden`) returns the final hidden states
+  [B, T, d_model] in ``dtype`` instead; the training loss applies the output
+  layer (:func:`output_embedding`) to them in chunks, so a 128k-word
+  vocabulary's logits never exist whole. ``deterministic`` is accepted for the
+  trainer's sake; Llama has no dropout.
+
+  Attributes:
+    config: model shape and dtype.
+    policy: remat policy (a :class:`~remat.policies.Policy` or a spec string).
+  """
+  config: LlamaConfig
+  policy: Policy | str = 'none'
+
+  @nn.compact
+  def __call__(self, tokens, *, deterministic: bool = True, return_hidden: bool = False):
+    del deterministic
+    cfg = self.config
+    policy = get_policy(self.policy, num_layers=cfg.num_layers)
+    t = tokens.shape[1]
+    if t > cfg.max_len:
+      raise ValueError(f'sequence length {t} exceeds the model max_len {cfg.max_len}')
+    embed = Embed(cfg.vocab_size, cfg.d_model, name='embed_tokens')
+    x = embed(tokens).astype(cfg.dtype)
+    cos, sin = rotary_tables(cfg, t)
+    x = LayerStack(Block, cfg.num_layers, policy, block_kwargs={'config': cfg},
+                   name='layers')(x, cos, sin)
+    x = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name='norm')(x)
+    if return_hidden:
+      return x
+    # The output layer in float32: its logits feed a float32 softmax cross-entropy, and the
+    # chunked training loss (float32 too) then gives the same values.
+    if cfg.tie_embeddings:
+      return jnp.dot(x.astype(jnp.float32), embed.embedding.T)
+    return LMHead(cfg.vocab_size, name='lm_head')(x)
+
+  def hidden(self, tokens, *, deterministic: bool = True):
+    """Final hidden states [B, T, d_model] (after ``norm``), in ``dtype``."""
+    return self(tokens, deterministic=deterministic, return_hidden=True)
