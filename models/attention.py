@@ -27,8 +27,9 @@
   ``'cudnn'`` where it applies (the traced program runs on an attached GPU:
   ``jax.default_backend() == 'gpu'``, inputs in float16/bfloat16, no
   dropout, head size a multiple of 8 up to 128); else ``'blockwise'`` from
-  :data:`AUTO_BLOCKWISE_MIN_LEN` tokens on, ``'dense'`` below (where it is
-  faster on CPU and its T**2 arrays are small). A deviceless GPU plan is
+  :data:`AUTO_BLOCKWISE_MIN_LEN` tokens on, ``'dense'`` below (the shipped
+  configs' lengths, whose documented plans are dense; blockwise is already
+  as fast on CPU from a few hundred tokens). A deviceless GPU plan is
   traced on the CPU backend, so ``'auto'`` never picks cuDNN there, which
   is as well, since it could not be compiled; it plans with blockwise (or
   dense) attention, whose memory XLA's GPU compiler does plan. To force an
@@ -69,16 +70,18 @@ from models.layers import bernoulli, bernoulli_block, fused_bits_ok
 
 IMPLEMENTATIONS = ('auto', 'dense', 'blockwise', 'cudnn')
 
-# 'auto' switches from dense to blockwise attention at this many tokens. Below it the
-# dense path is faster on CPU (bench/attention.py, docs/attention.md) and its [B, H, T, T]
-# arrays are small. Every shipped GPT-2 config (max_len <= 1024) stays on the dense path.
+# 'auto' switches from dense to blockwise attention at this many tokens. On CPU blockwise
+# attention is about as fast at 256 tokens and faster from 512 on (causal: 1.3x at 512, 2.6x at
+# 1024; docs/attention.md), but every shipped config (GPT-2 max_len <= 1024, ViT-B/16 at 384 px:
+# 577 tokens) stays on the dense path, whose plans and bitwise-checked values the docs and tests
+# quote. Set a config's `attention` to 'blockwise' to use it at any length.
 AUTO_BLOCKWISE_MIN_LEN = 2048
 
 # Query and key rows per block. Each step of the blockwise scan holds a few
-# [B, H, BLOCK, BLOCK] float32 arrays (scores, probabilities, their gradients); 512 is
-# where the CPU is near its matmul speed (docs/attention.md) at 1 MiB per (batch, head).
-BLOCK_Q = 512
-BLOCK_K = 512
+# [B, H, BLOCK, BLOCK] float32 arrays (scores, probabilities, their gradients): 256 KiB
+# per (batch, head) each. On CPU 128 and 256 are equally fast, 512 is slower (docs/attention.md).
+BLOCK_Q = 256
+BLOCK_K = 256
 
 
 def attention(q, k, v, *, causal: bool, dropout_rate: float, deterministic: bool, rng,
