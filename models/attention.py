@@ -119,7 +119,8 @@ def attention(q, k, v, *, causal: bool, dropout_rate: float, deterministic: bool
   if impl == 'dense':
     ctx = _attention(q, k, v, key, causal, rate)
   elif impl == 'blockwise':
-    ctx = blockwise_attention(q, k, v, key, causal=causal, rate=rate)
+    ctx = blockwise_attention(q, k, v, key, causal=causal, rate=rate, block_q=BLOCK_Q,
+                              block_k=BLOCK_K)
   else:
     ctx = _cudnn_attention(q, k, v, causal, rate)
   return checkpoint_name(ctx, 'context')
@@ -299,7 +300,7 @@ def _cudnn_attention(q, k, v, causal, rate):
 
 
 def blockwise_attention(q, k, v, key, *, causal: bool, rate: float = 0.0,
-                        block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
+                        block_q: int = 256, block_k: int = 256):
   """Blockwise (online-softmax) attention; memory linear in T, forward and backward.
 
   Args:
@@ -308,7 +309,8 @@ def blockwise_attention(q, k, v, key, *, causal: bool, rate: float = 0.0,
     key: raw uint32 dropout key (ignored when ``rate`` is 0).
     causal: mask out keys after the query.
     rate: attention-probability dropout (0 for none), static.
-    block_q, block_k: rows per query / key block (clipped to T; T need not be a multiple).
+    block_q, block_k: rows per query / key block (clipped to T; T need not be a
+      multiple); :func:`attention` passes :data:`BLOCK_Q` and :data:`BLOCK_K`.
 
   Returns:
     The context [B, T, H, Dh] (not tagged; :func:`attention` tags it).
