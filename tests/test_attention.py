@@ -202,7 +202,10 @@ def gpt_dense(gpt_setup):
   return _gpt_value_and_grad(dataclasses.replace(CFG, attention='dense'), 'none', params, windows)
 
 
-@pytest.mark.parametrize('spec', ['none', 'full', 'dots', 'names:context'])
+# Each compiles a GPT gradient: about 50 s of wall time on the shared 2-core machine (10 s of
+# CPU), so all but `none` are slow.
+@pytest.mark.parametrize('spec', ['none'] + [pytest.param(s, marks=pytest.mark.slow)
+                                            for s in ('full', 'dots', 'names:context')])
 def test_gpt_blockwise_gradients_match_dense(spec, gpt_setup, gpt_dense, small_blocks):
   # Dropout on: the blockwise masks are the dense ones, so the loss and gradients agree.
   params, windows = gpt_setup
