@@ -31,6 +31,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from models.layers import (TRANSFORMER_TAGS, GeluDense, LayerNorm, NormDense, Normalized, attention,
                            dropout, dropout_keys)
 from remat.policies import Policy, get_policy
@@ -57,6 +58,9 @@ class GPTConfig:
       chunks of <= 64 MiB of logits (256 tokens at 50257 words) and the plain
       loss when one chunk covers the batch (always for the byte-level V = 256);
       ``0`` always takes the plain loss. Changes memory and time, not values.
+    attention: attention implementation, ``'auto'``, ``'dense'``, ``'blockwise'``
+      or ``'cudnn'`` (:func:`models.attention.attention`). Changes memory and
+      time, not values (up to rounding).
   """
   vocab_size: int = 256
   max_len: int = 256
@@ -66,6 +70,7 @@ class GPTConfig:
   dropout: float = 0.1
   layer_norm_eps: float = 1e-5
   loss_chunk: int | None = None
+  attention: str = 'auto'
 
   def __post_init__(self):
     for f in ('vocab_size', 'max_len', 'num_layers', 'num_heads', 'd_model'):
@@ -78,6 +83,9 @@ class GPTConfig:
       raise ValueError(f'GPTConfig.loss_chunk must be >= 0 or None, got {self.loss_chunk}')
     if not 0.0 <= self.dropout < 1.0:
       raise ValueError(f'GPTConfig.dropout must be in [0, 1), got {self.dropout}')
+    if self.attention not in ATTENTION_IMPLEMENTATIONS:
+      raise ValueError(f"GPTConfig.attention must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}, "
+                       f"got '{self.attention}'")
 
   @property
   def head_dim(self) -> int:
@@ -104,7 +112,7 @@ class Attention(nn.Module):
     v = checkpoint_name(proj('value'), 'value_proj')
     attn_key, resid_key = dropout_keys(rng, 2)
     ctx = attention(q, k, v, causal=True, dropout_rate=cfg.dropout,
-                    deterministic=self.deterministic, rng=attn_key)
+                    deterministic=self.deterministic, rng=attn_key, implementation=cfg.attention)
     out = _dense(cfg.d_model, 'c_proj', 0.02 / math.sqrt(2 * cfg.num_layers))(
         ctx.reshape(b, t, cfg.d_model))
     out = checkpoint_name(out, 'out_proj')

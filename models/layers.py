@@ -294,8 +294,33 @@ def bernoulli(rng, p: float, shape) -> jax.Array:
   differ (typed or non-threefry keys, ``jax_threefry_partitionable`` off).
   """
   shape = tuple(shape)
-  if not _fused_bits_ok(rng, shape):
+  if not fused_bits_ok(rng, shape):
     return jax.random.bernoulli(rng, p, shape)
+  return bernoulli_block(rng, p, shape, shape, (0,) * len(shape))
+
+
+def fused_bits_ok(rng, shape) -> bool:
+  """Whether :func:`bernoulli_block` gives ``jax.random.bernoulli``'s bits for an array of ``shape``."""
+  return _fused_bits_ok(rng, tuple(shape))
+
+
+def bernoulli_block(rng, p: float, shape, full_shape, starts) -> jax.Array:
+  """The block ``[starts, starts + shape)`` of ``jax.random.bernoulli(rng, p, full_shape)``.
+
+  Bit for bit the elements of the whole mask at those positions (the counter
+  of an element is its flat index in ``full_shape``), without the rest of it:
+  blockwise attention draws each block of the dense path's [B, H, T, T]
+  dropout mask this way. Positions past ``full_shape`` (padding) get bits
+  too, which are meaningless. Only valid where :func:`fused_bits_ok` holds
+  for ``full_shape``.
+
+  Args:
+    rng: a raw uint32 key.
+    p: the probability of True.
+    shape: the block's shape.
+    full_shape: the whole mask's shape (same rank).
+    starts: the block's first index along each axis (ints or traced integer scalars).
+  """
   # Counters: the flat element index (< 2**32, so the high word is 0), built in Horner form
   # from per-axis iotas of one axis each, each with a zero tied to the key (_tied_zero), so
   # that nothing of the mask's full shape is free of inputs (or a [B, H, T, T] uint32
@@ -303,10 +328,13 @@ def bernoulli(rng, p: float, shape) -> jax.Array:
   # comparison fuse into the bool mask.
   zero = _tied_zero(rng)
   index = zero
-  for dim, size in enumerate(shape):
+  for dim, (size, full, start) in enumerate(zip(shape, full_shape, starts)):
     axis = [1] * len(shape)
     axis[dim] = size
-    index = index * np.uint32(size) + (jax.lax.broadcasted_iota(jnp.uint32, axis, dim) + zero)
+    pos = jax.lax.broadcasted_iota(jnp.uint32, axis, dim) + zero
+    if not (isinstance(start, int) and start == 0):
+      pos = pos + jnp.asarray(start).astype(jnp.uint32)
+    index = index * np.uint32(full) + pos
   b1, b2 = _threefry2x32(rng[0], rng[1], zero, index)   # high words: 0, broadcast
   # jax.random.uniform's float32 from 32 random bits, then bernoulli's comparison.
   bits = jax.lax.shift_right_logical(b1 ^ b2, np.uint32(32 - 23)) | np.array(1.0, np.float32).view(
@@ -333,110 +361,13 @@ def dropout(x, rate: float, *, deterministic: bool, rng):
   return jax.lax.select(mask, x / keep_prob, jnp.zeros_like(x))
 
 
-def attention(q, k, v, *, causal: bool, dropout_rate: float, deterministic: bool, rng):
-  """Softmax attention of [B, T, H, Dh] heads; returns the context tagged ``context``.
-
-  Values are those of ``dropout(softmax(q k^T / sqrt(Dh))) v`` (the same
-  softmax formula and dropout masks as ``jax.nn.softmax`` and :func:`dropout`).
-  The gradient is written out (:func:`_attention`): the backward pass keeps
-  only ``q``, ``k`` and ``v`` and recomputes the [B, H, T, T] probabilities
-  (one ``q k^T`` matmul) instead of keeping them, as PyTorch's fused attention
-  does; no policy can save them (:func:`_exp_scores`).
-
-  Args:
-    q, k, v: [B, T, H, Dh].
-    causal: mask out keys after the query.
-    dropout_rate: attention-probability dropout.
-    deterministic: no dropout.
-    rng: dropout key (a raw uint32 key); unused when deterministic or the rate is 0.
-  """
-  rate = 0.0 if deterministic else float(dropout_rate)
-  if rate > 0.0 and rng is None:
-    raise ValueError('attention dropout in training mode needs a key (rng)')
-  key = rng if rate > 0.0 else jnp.zeros((2,), jnp.uint32)
-  return checkpoint_name(_attention(q, k, v, key, causal, rate), 'context')
-
-
-def _heads(x):
-  """[B, T, H, Dh] <-> [B, H, T, Dh].
-
-  The matmuls run with (B, H) leading: XLA CPU's batched matmul is several
-  times slower when the batch dimensions are not the leading ones (the
-  forward pass of ViT-B/16 attention at batch 8: 74 ms against 16 ms).
-  """
-  return x.transpose(0, 2, 1, 3)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def _exp_scores(q, k, causal: bool):
-  """``exp(scores - row max)`` [B, H, T, T] and its row sums, for [B, H, T, Dh] heads.
-
-  Only ever called inside :func:`_attention`'s rules, never differentiated: the
-  rule below declares the outputs constant. It is a ``custom_jvp`` so that
-  remat policies see one call instead of its ``dot_general``: ``dots`` then
-  saves the projections and the context, as PyTorch's selective checkpointing
-  of fused attention does, not the [B, H, T, T] scores, which ``none`` does
-  not keep either.
-  """
-  scores = jnp.einsum('bhqd,bhkd->bhqk', q, k) / math.sqrt(q.shape[-1])
-  if causal:
-    t = q.shape[2]
-    scores = jnp.where(jnp.tril(jnp.ones((t, t), dtype=bool)), scores,
-                       jnp.finfo(scores.dtype).min)
-  # jax.nn.softmax's operations: exp(x - max) / sum(exp(x - max)).
-  unnormalised = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
-  return unnormalised, jnp.sum(unnormalised, axis=-1, keepdims=True)
-
-
-@_exp_scores.defjvp
-def _exp_scores_jvp(causal, primals, tangents):
-  out = _exp_scores(*primals, causal)
-  return out, tuple(jnp.zeros_like(o) for o in out)
-
-
-def _probs(q, k, causal):
-  """Softmax probabilities [B, H, T, T] of [B, H, T, Dh] heads."""
-  unnormalised, row_sum = _exp_scores(q, k, causal)
-  return unnormalised / row_sum
-
-
-def _dropped(probs, key, rate):
-  """Dropout of the probabilities (``rate`` static) and the mask, or (probs, None)."""
-  if rate == 0.0:
-    return probs, None
-  mask = bernoulli(key, 1.0 - rate, probs.shape)
-  return jax.lax.select(mask, probs / (1.0 - rate), jnp.zeros_like(probs)), mask
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _attention(q, k, v, key, causal: bool, rate: float):
-  return _attention_fwd(q, k, v, key, causal, rate)[0]
-
-
-def _attention_fwd(q, k, v, key, causal, rate):
-  dropped, _ = _dropped(_probs(_heads(q), _heads(k), causal), key, rate)
-  ctx = _heads(jnp.einsum('bhqk,bhkd->bhqd', dropped, _heads(v)))
-  return ctx, (q, k, v, key)
-
-
-def _attention_bwd(causal, rate, res, g):
-  q, k, v, key = res
-  q, k, v, g = _heads(q), _heads(k), _heads(v), _heads(g)
-  probs = _probs(q, k, causal)    # the forward pass's probabilities, recomputed
-  dropped, mask = _dropped(probs, key, rate)
-  dv = jnp.einsum('bhqk,bhqd->bhkd', dropped, g)
-  d_probs = jnp.einsum('bhqd,bhkd->bhqk', g, v)
-  if mask is not None:
-    d_probs = jax.lax.select(mask, d_probs / (1.0 - rate), jnp.zeros_like(d_probs))
-  # Softmax derivative; masked (causal) entries have probs 0, so no gradient.
-  d_scores = probs * (d_probs - jnp.sum(probs * d_probs, axis=-1, keepdims=True))
-  d_scores = d_scores / math.sqrt(q.shape[-1])
-  dq = jnp.einsum('bhqk,bhkd->bhqd', d_scores, k)
-  dk = jnp.einsum('bhqk,bhqd->bhkd', d_scores, q)
-  return _heads(dq), _heads(dk), _heads(dv), np.zeros(key.shape, jax.dtypes.float0)
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
+def __getattr__(name):
+  # models.attention builds on this module (dropout's random bits), so it is imported
+  # lazily here rather than at the top: ``from models.layers import attention`` keeps working.
+  if name == 'attention':
+    from models.attention import attention
+    return attention
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
 
 
 # Bytes of float32 logits one chunk of the chunked cross-entropy may hold when

@@ -30,6 +30,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from models.layers import (TRANSFORMER_TAGS, GeluDense, LayerNorm, NormDense, Normalized, attention,
                            dropout_keys)
 from remat.policies import Policy, get_policy
@@ -54,6 +55,9 @@ class ViTConfig:
     dropout: embedding, residual and MLP dropout (``hidden_dropout_prob``).
     attention_dropout: attention-probability dropout (``attention_probs_dropout_prob``).
     layer_norm_eps: LayerNorm epsilon (HF's default is 1e-12).
+    attention: attention implementation, ``'auto'``, ``'dense'``, ``'blockwise'``
+      or ``'cudnn'`` (:func:`models.attention.attention`). Changes memory and
+      time, not values (up to rounding).
   """
   image_size: int = 32
   patch_size: int = 4
@@ -66,6 +70,7 @@ class ViTConfig:
   dropout: float = 0.0
   attention_dropout: float = 0.0
   layer_norm_eps: float = 1e-12
+  attention: str = 'auto'
 
   def __post_init__(self):
     for f in ('image_size', 'patch_size', 'channels', 'num_classes', 'num_layers', 'num_heads',
@@ -81,6 +86,9 @@ class ViTConfig:
     for f in ('dropout', 'attention_dropout'):
       if not 0.0 <= getattr(self, f) < 1.0:
         raise ValueError(f'ViTConfig.{f} must be in [0, 1), got {getattr(self, f)}')
+    if self.attention not in ATTENTION_IMPLEMENTATIONS:
+      raise ValueError(f"ViTConfig.attention must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}, "
+                       f"got '{self.attention}'")
 
   @property
   def num_patches(self) -> int:
@@ -118,7 +126,7 @@ class Attention(nn.Module):
     v = checkpoint_name(proj('value'), 'value_proj')
     attn_key, out_key = dropout_keys(rng, 2)
     ctx = attention(q, k, v, causal=False, dropout_rate=cfg.attention_dropout,
-                    deterministic=self.deterministic, rng=attn_key)
+                    deterministic=self.deterministic, rng=attn_key, implementation=cfg.attention)
     out = checkpoint_name(_dense(cfg.d_model, 'output')(ctx.reshape(b, t, cfg.d_model)), 'out_proj')
     return nn.Dropout(cfg.dropout)(out, self.deterministic, rng=out_key)
 
