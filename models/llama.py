@@ -38,7 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from models.layers import attention
+from models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
+from models.attention import attention
 from remat.policies import Policy, get_policy
 from remat.stack import LayerStack
 
@@ -108,6 +109,8 @@ class LlamaConfig:
       ``GPTConfig.loss_chunk`` (:func:`models.layers.chunked_cross_entropy`):
       None picks chunks of <= 64 MiB of float32 logits, 0 the plain loss.
     dtype: 'float32' or 'bfloat16': activations and matmuls (parameters stay float32).
+    attention: attention implementation, as ``GPTConfig.attention``
+      (:func:`models.attention.attention`). Changes memory and time, not values.
   """
   vocab_size: int = 256
   d_model: int = 128
@@ -122,6 +125,7 @@ class LlamaConfig:
   tie_embeddings: bool = True
   loss_chunk: int | None = None
   dtype: str = 'float32'
+  attention: str = 'auto'
 
   def __post_init__(self):
     for f in ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads', 'mlp_dim',
@@ -153,6 +157,9 @@ class LlamaConfig:
                        f'{self.rope_scaling!r:.60}')
     if self.loss_chunk is not None and self.loss_chunk < 0:
       raise ValueError(f'LlamaConfig.loss_chunk must be >= 0 or None, got {self.loss_chunk}')
+    if self.attention not in ATTENTION_IMPLEMENTATIONS:
+      raise ValueError(f"LlamaConfig.attention must be one of "
+                       f"{', '.join(ATTENTION_IMPLEMENTATIONS)}, got '{self.attention}'")
     if self.dtype not in DTYPES:
       raise ValueError(f"LlamaConfig.dtype must be one of {', '.join(DTYPES)}, got '{self.dtype}'")
 
@@ -197,22 +204,6 @@ def apply_rotary(x, cos, sin):
   return x * cos + rotated * sin
 
 
-def _gqa_attention(q, k, v, dtype):
-  """Causal attention of ``q`` [B, T, H, Dh] over ``k``, ``v`` [B, T, K, Dh]; context [B, T, H, Dh].
-
-  Stand-in until the blockwise GQA attention (models/attention.py) lands:
-  each key/value head is repeated for its H / K query heads (HF's
-  ``repeat_kv`` order) and the shared attention runs in float32 (so the
-  softmax is float32 whatever ``dtype``), its context cast back to ``dtype``.
-  """
-  groups = q.shape[2] // k.shape[2]
-  k, v = (jnp.repeat(a, groups, axis=2) for a in (k, v))
-  f32 = lambda a: a.astype(jnp.float32)
-  ctx = attention(f32(q), f32(k), f32(v), causal=True, dropout_rate=0.0, deterministic=True,
-                  rng=None)
-  return ctx.astype(dtype)
-
-
 class Dense(nn.Module):
   """A bias-free ``x @ kernel``: the kernel stored float32, used in ``dtype``."""
   features: int
@@ -251,7 +242,10 @@ class Attention(nn.Module):
     q = checkpoint_name(proj(cfg.num_heads, 'q_proj'), 'query_proj')
     k = checkpoint_name(proj(cfg.num_kv_heads, 'k_proj'), 'key_proj')
     v = checkpoint_name(proj(cfg.num_kv_heads, 'v_proj'), 'value_proj')
-    ctx = _gqa_attention(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, cfg.dtype)
+    # Grouped-query heads go in as they are: attention() never repeats k and v.
+    ctx = attention(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, causal=True,
+                    dropout_rate=0.0, deterministic=True, rng=None,
+                    implementation=cfg.attention)
     out = Dense(cfg.d_model, cfg.dtype, name='o_proj')(ctx.reshape(b, t, cfg.d_model))
     return checkpoint_name(out, 'out_proj')
 
