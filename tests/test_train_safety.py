@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from configs import load_config
 from models.gpt import GPT, GPTConfig
 from training import checkpoints as ckpt
 from training import cli, rundir
@@ -292,6 +293,20 @@ def test_resume_settings_are_checked_before_compiling(base, tmp_path, capsys, mo
   extra = [f'--data={_corpus(tmp_path / "other.txt")}' if a == '--data=OTHER' else a for a in extra]
   monkeypatch.setattr(st, 'compile_train_step', lambda *a, **k: pytest.fail('compiled'))
   assert needle in _one_error(['--resume', f'--out={cfg.out}'] + extra, capsys)
+
+
+def test_record_from_before_a_new_config_field_still_resumes(base, tmp_path, monkeypatch):
+  """A run saved before a config gained a field (say ``attention``) reads it as the default."""
+  cfg = _copy(base, tmp_path)
+  step, meta = ckpt.read_meta(Path(cfg.out))
+  named = load_config('tiny')
+  older = {**meta, 'model': {k: v for k, v in meta['model'].items() if k != 'attention'}}
+  monkeypatch.setattr(ckpt, 'read_meta', lambda out: (step, older))
+  assert trainer._check_record(cfg, named, Path(cfg.out)) == step
+  reshaped = {**meta, 'model': {**meta['model'], 'd_model': 64}}
+  monkeypatch.setattr(ckpt, 'read_meta', lambda out: (step, reshaped))
+  with pytest.raises(trainer.RunError, match='config tiny has changed shape'):
+    trainer._check_record(cfg, named, Path(cfg.out))
 
 
 def test_resume_at_the_last_step_has_nothing_to_do(base, tmp_path, capsys):

@@ -221,14 +221,26 @@ def _check_record(cfg: TrainConfig, named: NamedConfig, out: Path) -> int | None
                            os.path.realpath(was) == os.path.realpath(now)):
       raise RunError(f'--resume: {out} was trained with --{what} {was}, not {now}; drop '
                      f'--{what} (or pass --{what} {was}), or pass another --out for a new run')
-  # The record went through JSON, which turns tuples (a ResNet's stage widths) into lists.
-  if meta.get('model') != json.loads(json.dumps(dataclasses.asdict(named.model))):
+  # The record went through JSON, which turns tuples (a ResNet's stage widths) into lists; a
+  # field added to the config after the run was saved reads as its default.
+  recorded_model = {**_defaults(type(named.model)), **(meta.get('model') or {})}
+  if (json.loads(json.dumps(recorded_model)) !=
+      json.loads(json.dumps(dataclasses.asdict(named.model)))):
     raise RunError(f'--resume: config {named.name} has changed shape since {out} was saved; '
                    'restore the config file, or pass another --out for a new run')
   if step > cfg.steps:
     raise RunError(f'--resume: {out} is at step {step}, past --steps {cfg.steps}; pass --steps '
                    f'above {step} to train further')
   return step
+
+
+def _defaults(config_cls) -> dict:
+  return {f.name: f.default for f in dataclasses.fields(config_cls)
+          if f.default is not dataclasses.MISSING}
+
+
+# Config fields that change how a model computes (memory, time, rounding), not its weights.
+NUMERICS_FIELDS = ('attention', 'dtype', 'loss_chunk')
 
 
 def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
@@ -385,9 +397,11 @@ def matching_config(path: str) -> str:
   arch, hf_cfg = load_hf_config(path)
   for name in config_names(arch):
     ours = load_config(name).model
-    # A ResNet's image_size is only its default training side, not part of its shape.
-    if ours == (dataclasses.replace(hf_cfg, image_size=ours.image_size)
-                if arch == 'resnet' else hf_cfg):
+    # A ResNet's image_size is only its default training side, not part of its shape; nor
+    # are the fields that only change how the model computes.
+    same = {f: getattr(ours, f) for f in NUMERICS_FIELDS + ('image_size',)
+            if hasattr(ours, f) and (f != 'image_size' or arch == 'resnet')}
+    if ours == dataclasses.replace(hf_cfg, **same):
       return name
   raise RunError(f'--init-from {path}: no shipped {arch} config has its shape ({hf_cfg}); '
                  'pass --config NAME of a config with that shape')
