@@ -200,8 +200,16 @@ CASES = [(n, p, c) for n in ALL for p in POLICIES[n] for c in ((False, True) if 
                                                                 else (False,))]
 
 
-@pytest.mark.parametrize('name,policy,checkpointing', CASES,
-                         ids=[f'{n}-{p}-{"hfckpt" if c else "nockpt"}' for n, p, c in CASES])
+# The default suite: every model without remat, and under full and sqrt (stage for a ResNet)
+# against HF's own checkpointing where it has one; every other combination with -m slow.
+DEFAULT_CASES = ({(n, 'none', False) for n in ALL} | {(n, p, True) for n in ('gpt', 'vit')
+                                                      for p in ('full', 'sqrt')}
+                 | {('resnet', 'stage', False), ('resnet_basic', 'stage', False)})
+
+
+@pytest.mark.parametrize('name,policy,checkpointing', [
+    c if c in DEFAULT_CASES else pytest.param(*c, marks=pytest.mark.slow) for c in CASES],
+    ids=[f'{n}-{p}-{"hfckpt" if c else "nockpt"}' for n, p, c in CASES])
 def test_train_loss_and_every_gradient(name, policy, checkpointing, root):
   """Training-mode loss and every parameter gradient equal torch's."""
   t_loss, t_grads, _, _ = _torch_train(name, checkpointing, root)

@@ -44,6 +44,7 @@ def _params(cfg=CFG):
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)  # each test's `none` reference is computed once per config
 def _loss_and_grads(cfg, policy):
   task = Task(cfg)
   model = task.model(policy)
@@ -180,10 +181,16 @@ def test_shipped_configs_load():
   assert not load_config('llama-3.1-8b').model.tie_embeddings
 
 
+# One of each kind in the default suite (per-layer rule, tags, segmenting, both); the rest
+# with -m slow.
+_DEFAULT_SPECS = {'full', 'dots', 'names:context,mlp_hidden', 'sqrt', 'dots@seg:2'}
+
+
 def _policies():
   specs = registered_specs(('query_proj', 'mlpwi_0'), model_tags=TAGS) + [
       'names:context,mlp_hidden', 'sqrt', 'seg:2', 'full@sqrt', 'dots@seg:2']
-  return [s for s in specs if s != 'none']
+  return [s if s in _DEFAULT_SPECS else pytest.param(s, marks=pytest.mark.slow)
+          for s in specs if s != 'none']
 
 
 @pytest.mark.parametrize('policy', _policies())
@@ -218,8 +225,9 @@ def test_bfloat16_runs_with_float32_weights_and_gradients():
   assert abs(float(loss) - float(f32_loss)) < 1e-2 * float(f32_loss)
 
 
-@pytest.mark.parametrize('policy', ['full', 'dots', 'save_qkv_proj', 'names:context,mlp_hidden',
-                                    'sqrt', 'full@sqrt'])
+@pytest.mark.parametrize('policy', ['full', 'full@sqrt'] + [
+    pytest.param(s, marks=pytest.mark.slow)
+    for s in ('dots', 'save_qkv_proj', 'names:context,mlp_hidden', 'sqrt')])
 def test_bfloat16_every_policy_close_to_none(policy):
   loss, grads = _loss_and_grads(BF16, policy)
   ref_loss, ref_grads = _loss_and_grads(BF16, 'none')

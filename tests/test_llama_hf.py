@@ -140,10 +140,15 @@ def test_config_tree_and_logits(name, root):
 
 
 CASES = [(n, p, c) for n in MODELS for p in POLICIES for c in (False, True)]
+# The default suite: every config under none, and the first one under each policy with HF's
+# checkpointing on; the other combinations with -m slow.
+_FIRST = next(iter(MODELS))
+_DEFAULT = {(n, POLICIES[0], False) for n in MODELS} | {(_FIRST, p, True) for p in POLICIES}
 
 
-@pytest.mark.parametrize('name,policy,checkpointing', CASES,
-                         ids=[f'{n}-{p}-{"hfckpt" if c else "nockpt"}' for n, p, c in CASES])
+@pytest.mark.parametrize('name,policy,checkpointing', [
+    c if c in _DEFAULT else pytest.param(*c, marks=pytest.mark.slow) for c in CASES],
+    ids=[f'{n}-{p}-{"hfckpt" if c else "nockpt"}' for n, p, c in CASES])
 def test_loss_and_every_gradient(name, policy, checkpointing, root):
   t_loss, t_grads = _torch_grads(name, checkpointing, root)
   loss, grads = _our_grads(name, policy, root)

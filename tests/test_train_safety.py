@@ -391,6 +391,7 @@ def _lock_taken(out, proc):
   return lambda: path.exists() and path.read_text().strip() == str(proc.pid)
 
 
+@pytest.mark.slow  # test_held_lock_names_its_pid checks the same lock in-process
 def test_second_writer_exits_2_and_first_is_unaffected(base, tmp_path, xla_cache):
   cfg, ref = base
   out = tmp_path / 'run'

@@ -45,6 +45,12 @@ def _stats(model_state, kind):
 
 CASES = ([('vit', s) for s in VIT_SPECS] + [('resnet', s) for s in RESNET_SPECS]
          + [('basic', s) for s in BASIC_SPECS])
+# The default suite takes one of each kind (rule, tags, segmenting, stage, a mix) per model;
+# the rest run with -m slow.
+DEFAULT_CASES = {('vit', 'full'), ('vit', 'dots'), ('vit', 'names:context,mlpwi'), ('vit', 'sqrt'),
+                 ('vit', 'full@stage'), ('resnet', 'full'), ('resnet', 'convs'),
+                 ('resnet', 'sqrt'), ('resnet', 'stage'), ('resnet', 'convs@sqrt'),
+                 ('basic', 'stage')}
 
 
 def _batch(cfg, batch_size=4, size=None):
@@ -90,7 +96,8 @@ def case(request, cases):
   return cases(request.param)
 
 
-@pytest.mark.parametrize('name,spec', CASES)
+@pytest.mark.parametrize('name,spec', [c if c in DEFAULT_CASES else
+                                       pytest.param(*c, marks=pytest.mark.slow) for c in CASES])
 def test_loss_gradients_and_batch_stats_match_none(cases, name, spec):
   cfg, params, model_state, batch, (ref_loss, ref_grads, ref_state) = cases(name)
   loss, grads, new_state = _loss_grads(cfg, spec, params, model_state, batch)
