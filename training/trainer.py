@@ -16,6 +16,7 @@ import numpy as np
 from tqdm import tqdm
 
 from configs import DEFAULT_CONFIG, NamedConfig, config_names, load_config
+from models.layers import DTYPES
 from remat.memory import MemoryStats, compiled_memory, format_bytes
 from remat.policies import Policy, get_policy
 from training import checkpoints as ckpt
@@ -32,7 +33,8 @@ class TrainConfig:
 
   ``seq_len`` applies to GPT configs, ``image_size`` to vision configs (None:
   the model config's image size). ``model``, if set, is the arch the config
-  must have.
+  must have. ``dtype`` (None: the model config's) overrides the model config's
+  compute dtype (docs/precision.md).
   """
   config: str = 'tiny'
   remat: str = 'sqrt'
@@ -55,12 +57,15 @@ class TrainConfig:
   save_every: int = 100
   memory_report: bool = True
   skip_nonfinite: int = 0
+  dtype: str | None = None
 
   @property
   def out_dir(self) -> Path:
     if self.out:
       return Path(self.out)
-    return Path('runs') / rundir.default_name(self.config, self.remat)
+    # A bfloat16 run of the same config and policy gets its own folder (float32 keeps the name).
+    suffix = f'-{self.dtype}' if self.dtype not in (None, 'float32') else ''
+    return Path('runs') / (rundir.default_name(self.config, self.remat) + suffix)
 
 
 class RunError(ValueError):
@@ -99,7 +104,7 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
     the image side (vision).
   """
   _check_positive(cfg)
-  named = load_config(cfg.config)
+  named = with_dtype(load_config(cfg.config), cfg.dtype)
   if cfg.model is not None and cfg.model != named.arch:
     raise RunError(f"--model {cfg.model} does not match config {named.name} (a {named.arch} "
                    f"model); {cfg.model} configs: {', '.join(config_names(cfg.model))}")
@@ -125,6 +130,19 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
                      'byte data needs >= 256')
   policy = get_policy(cfg.remat, num_layers=task.num_layers)
   return named, task, size, policy.validate(task.num_layers, task.emitted_tags(size))
+
+
+def with_dtype(named: NamedConfig, dtype: str | None) -> NamedConfig:
+  """``named`` with its model config's compute dtype set to ``dtype`` (None: unchanged).
+
+  Raises:
+    RunError: one line, for a dtype other than float32 or bfloat16.
+  """
+  if dtype is None:
+    return named
+  if dtype not in DTYPES:
+    raise RunError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
+  return dataclasses.replace(named, model=dataclasses.replace(named.model, dtype=dtype))
 
 
 def default_config(model: str | None) -> str:
@@ -216,9 +234,16 @@ def _check_record(cfg: TrainConfig, named: NamedConfig, out: Path) -> int | None
       raise RunError(f'--resume: {out} was trained with --{what} {was}, not {now}; drop '
                      f'--{what} (or pass --{what} {was}), or pass another --out for a new run')
   # The record went through JSON, which turns tuples (a ResNet's stage widths) into lists.
-  if meta.get('model') != json.loads(json.dumps(dataclasses.asdict(named.model))):
+  # The dtype is not shape: checked on its own, float32 for records written before it existed.
+  was = dict(meta.get('model') or {})
+  now = json.loads(json.dumps(dataclasses.asdict(named.model)))
+  was_dtype, now_dtype = was.pop('dtype', 'float32'), now.pop('dtype')
+  if was != now:
     raise RunError(f'--resume: config {named.name} has changed shape since {out} was saved; '
                    'restore the config file, or pass another --out for a new run')
+  if was_dtype != now_dtype:
+    raise RunError(f'--resume: {out} was trained with --dtype {was_dtype}, not {now_dtype}; drop '
+                   f'--dtype (or pass --dtype {was_dtype}), or pass another --out for a new run')
   if step > cfg.steps:
     raise RunError(f'--resume: {out} is at step {step}, past --steps {cfg.steps}; pass --steps '
                    f'above {step} to train further')
@@ -232,7 +257,8 @@ def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn) -
     warn(f'no complete checkpoint in {out} (the run ended before its first save); starting '
          'from step 0')
   batch_at, val = data
-  log(f'model: {named.name} ({named.description}) | policy: {policy.spec}: {policy.description}')
+  log(f'model: {named.name} ({named.description}) | dtype: {named.model.dtype} | policy: '
+      f'{policy.spec}: {policy.description}')
 
   model = task.model(policy)
   tx = st.make_optimizer(cfg.lr, cfg.steps, cfg.warmup_steps, cfg.weight_decay, cfg.grad_clip)
