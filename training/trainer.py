@@ -15,8 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from configs import DEFAULT_CONFIG, NamedConfig, config_names, load_config
-from models.layers import DTYPES
+from configs import DEFAULT_CONFIG, NamedConfig, config_names, load_config, with_dtype
 from remat.memory import MemoryStats, compiled_memory, format_bytes
 from remat.policies import Policy, get_policy
 from training import checkpoints as ckpt
@@ -130,19 +129,6 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
                      'byte data needs >= 256')
   policy = get_policy(cfg.remat, num_layers=task.num_layers)
   return named, task, size, policy.validate(task.num_layers, task.emitted_tags(size))
-
-
-def with_dtype(named: NamedConfig, dtype: str | None) -> NamedConfig:
-  """``named`` with its model config's compute dtype set to ``dtype`` (None: unchanged).
-
-  Raises:
-    RunError: one line, for a dtype other than float32 or bfloat16.
-  """
-  if dtype is None:
-    return named
-  if dtype not in DTYPES:
-    raise RunError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
-  return dataclasses.replace(named, model=dataclasses.replace(named.model, dtype=dtype))
 
 
 def default_config(model: str | None) -> str:
