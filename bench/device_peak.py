@@ -21,14 +21,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def measured_device_peak(config: str, spec: str, batch_size: int, size: int,
-                         timeout: float = 900) -> dict:
+                         timeout: float = 900, dtype: str = 'float32') -> dict:
   """Runs the measurement in a fresh process; returns ``{'peak_bytes', 'backend'}``.
+
+  ``dtype`` is the model's compute dtype (it overrides the config's).
 
   Raises:
     RuntimeError: if the process fails (its last stderr line is in the message).
   """
   cmd = [sys.executable, '-m', 'bench.device_peak', '--config', config, '--policy', spec,
-         '--batch-size', str(batch_size), '--size', str(size)]
+         '--batch-size', str(batch_size), '--size', str(size), '--dtype', dtype]
   # The app packages are not installed (only remat is), so the child finds them on its path.
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(
       [str(ROOT)] + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]))
@@ -46,6 +48,7 @@ def main(argv=None) -> int:
   p.add_argument('--policy', required=True)
   p.add_argument('--batch-size', type=int, required=True)
   p.add_argument('--size', type=int, required=True, help='sequence length or image side')
+  p.add_argument('--dtype', default=None, help="compute dtype (default: the config's)")
   args = p.parse_args(argv)
 
   from remat.targets import prefer_cpu_without_gpu
@@ -54,9 +57,9 @@ def main(argv=None) -> int:
   import jax
 
   from bench import zoo
-  from configs import load_config
+  from configs import load_config, with_dtype
 
-  c = zoo.case(load_config(args.config).model, args.batch_size, args.size)
+  c = zoo.case(with_dtype(load_config(args.config), args.dtype).model, args.batch_size, args.size)
   policy = c.policy(args.policy)
   step = jax.jit(c.train_step(policy).step, donate_argnums=0)
   state, batch = c.real_step_args()

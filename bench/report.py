@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--seq-len', type=int, default=128, help='gpt: tokens per sequence')
   p.add_argument('--image-size', type=int, default=None,
                  help="vit/resnet: image side in pixels (default: the config's)")
+  p.add_argument('--dtype', default=None,
+                 help="compute dtype: float32 or bfloat16 (parameters and optimizer state stay "
+                      "float32; docs/precision.md) (default: the config's)")
   p.add_argument('--policies', default=None,
                  help="'all', or specs separated by ',' (by ';' when a spec holds ','); "
                       'default: a set chosen per model family')
@@ -72,11 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check(args):
-  """Resolves (named config, family, size) from --model/--config and the shape flags."""
-  from configs import load_config
+  """Resolves (named config, family, size) from --model/--config, --dtype and the shape flags."""
+  from configs import load_config, with_dtype
   if args.model is not None and args.model not in MODELS:
     raise ValueError(f"unknown model '{args.model}'; valid: {', '.join(MODELS)}")
-  named = load_config(args.config or zoo.FAMILIES[args.model or 'gpt'].default_config)
+  named = with_dtype(load_config(args.config or zoo.FAMILIES[args.model or 'gpt'].default_config),
+                     args.dtype)
   if args.model is not None and named.arch != args.model:
     raise ValueError(f'--model {args.model} does not match config {named.name} (a {named.arch} model)')
   fam = zoo.FAMILIES[named.arch]
@@ -139,7 +143,7 @@ def _policy_report(args, named, fam, size, target, header) -> dict:
         time_args=case.real_step_args() if args.time else None)
     if args.device_peak:
       peaks[policy.spec] = measured_device_peak(named.name, policy.spec, args.batch_size,
-                                                size)['peak_bytes']
+                                                size, dtype=named.model.dtype)['peak_bytes']
   rows = measuring.Report(results, target).rows()
   for r in rows:
     r['measured_device_peak'] = peaks.get(r['policy'])
@@ -190,13 +194,13 @@ def main(argv=None) -> int:
     shape = {'image_size': size} if fam.vision else {'seq_len': size}
     env = {'jax': jax.__version__, 'backend': jax.default_backend(), 'target': target.name,
            'device': target.description, 'model': fam.arch, 'config': named.name,
-           'batch_size': args.batch_size, **shape, 'dtype': 'float32'}
+           'batch_size': args.batch_size, **shape, 'dtype': named.model.dtype}
     what = 'loss gradient (no optimizer)' if args.sweep else 'train step'
     dims = f'image {size}x{size}' if fam.vision else f'seq {size}'
     if args.sweep and args.sweep.startswith('resolution'):
       dims = 'image SxS'
     header = (f'# {what}, {fam.arch} {named.name}, batch {args.batch_size} x {dims}, '
-              f'float32, target {target.name} ({target.description}), compile only'
+              f'{named.model.dtype}, target {target.name} ({target.description}), compile only'
               f'{" + timed on the local backend" if args.time else ""} (jax {jax.__version__})')
     if args.mesh:
       body = _mesh_report(args, named, fam, size, target, header)

@@ -15,6 +15,7 @@ from typing import Any
 
 from models.gpt import GPTConfig
 from models.llama import LlamaConfig
+from models.layers import DTYPES
 from models.resnet import ResNetConfig
 from models.vit import ViTConfig
 
@@ -66,3 +67,18 @@ def load_config(name: str) -> NamedConfig:
   except ValueError as e:
     raise ValueError(f"config '{name}': {e}") from None
   return NamedConfig(name, arch, raw.get('description', ''), model, dict(raw.get('train', {})))
+
+
+def with_dtype(named: NamedConfig, dtype: str | None) -> NamedConfig:
+  """``named`` with its model config's compute dtype set to ``dtype`` (None: unchanged).
+
+  What ``--dtype`` does in ``train.py`` and ``bench.report``.
+
+  Raises:
+    ValueError: one line, for a dtype other than float32 or bfloat16.
+  """
+  if dtype is None:
+    return named
+  if dtype not in DTYPES:
+    raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
+  return dataclasses.replace(named, model=dataclasses.replace(named.model, dtype=dtype))

@@ -255,20 +255,29 @@ def _attention(q, k, v, key, causal: bool, rate: float):
   return _attention_fwd(q, k, v, key, causal, rate)[0]
 
 
+def _f32(*xs):
+  return tuple(x.astype(jnp.float32) for x in xs)
+
+
 def _attention_fwd(q, k, v, key, causal, rate):
+  # Mixed precision: the scores and softmax are float32 (q and k cast here, inside the
+  # rule); the probabilities meet v in v's dtype, as flash attention's P @ V does, so the
+  # context (which `dots` may save) is a bfloat16 matmul output. Residuals: q, k, v as given.
   hkv = k.shape[2]
-  dropped, _ = _dropped(_probs(_groups(q, hkv), _heads(k), causal), key, rate)
-  ctx = _ungroup(_einsum('bngqk,bnkd->bngqd', dropped, _heads(v)))
+  dropped, _ = _dropped(_probs(*_f32(_groups(q, hkv), _heads(k)), causal), key, rate)
+  ctx = _ungroup(_einsum('bngqk,bnkd->bngqd', dropped.astype(v.dtype), _heads(v)))
   return ctx, (q, k, v, key)
 
 
 def _attention_bwd(causal, rate, res, g):
   q, k, v, key = res
+  dtypes = (q.dtype, k.dtype, v.dtype)
   hkv = k.shape[2]
-  q, k, v, g = _groups(q, hkv), _heads(k), _heads(v), _groups(g, hkv)
+  q, k, v, g = _f32(_groups(q, hkv), _heads(k), _heads(v), _groups(g, hkv))
   probs = _probs(q, k, causal)    # the forward pass's probabilities, recomputed
   dropped, mask = _dropped(probs, key, rate)
-  dv = _einsum('bngqk,bngqd->bnkd', dropped, g)
+  # The forward pass's P @ V read P in v's dtype: so does its derivative (no-op in float32).
+  dv = _einsum('bngqk,bngqd->bnkd', *_f32(dropped.astype(dtypes[2]), g))
   d_probs = _einsum('bngqd,bnkd->bngqk', g, v)
   if mask is not None:
     d_probs = jax.lax.select(mask, d_probs / (1.0 - rate), jnp.zeros_like(d_probs))
@@ -277,7 +286,8 @@ def _attention_bwd(causal, rate, res, g):
   d_scores = d_scores / math.sqrt(q.shape[-1])
   dq = _einsum('bngqk,bnkd->bngqd', d_scores, k)
   dk = _einsum('bngqk,bngqd->bnkd', d_scores, q)
-  return _ungroup(dq), _heads(dk), _heads(dv), np.zeros(key.shape, jax.dtypes.float0)
+  dq, dk, dv = (d.astype(t) for d, t in zip((_ungroup(dq), _heads(dk), _heads(dv)), dtypes))
+  return dq, dk, dv, np.zeros(key.shape, jax.dtypes.float0)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

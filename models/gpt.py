@@ -20,6 +20,11 @@ mechanical mapping (``h.{i}`` is index ``i`` of the stacked leaves under
 Activations are tagged with ``checkpoint_name`` where they are created (see
 :data:`TAGS`); policies such as ``names:...`` and the MaxText presets select
 by these names.
+
+``GPTConfig.dtype`` is the compute dtype (docs/precision.md): parameters are
+float32 under either dtype, cast to ``dtype`` where they are used; activations,
+and so the saved residuals, are in ``dtype``; LayerNorm statistics, the softmax,
+the logits and the loss are float32.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from models.layers import (TRANSFORMER_TAGS, GeluDense, LayerNorm, NormDense, Normalized, attention,
-                           dropout, dropout_keys)
+                           check_dtype, dropout, dropout_keys)
 from remat.policies import Policy, get_policy
 from remat.stack import LayerStack
 
@@ -61,6 +66,8 @@ class GPTConfig:
     attention: attention implementation, ``'auto'``, ``'dense'``, ``'blockwise'``
       or ``'cudnn'`` (:func:`models.attention.attention`). Changes memory and
       time, not values (up to rounding).
+    dtype: compute dtype, 'float32' or 'bfloat16' (parameters stay float32;
+      docs/precision.md).
   """
   vocab_size: int = 256
   max_len: int = 256
@@ -71,6 +78,7 @@ class GPTConfig:
   layer_norm_eps: float = 1e-5
   loss_chunk: int | None = None
   attention: str = 'auto'
+  dtype: str = 'float32'
 
   def __post_init__(self):
     for f in ('vocab_size', 'max_len', 'num_layers', 'num_heads', 'd_model'):
@@ -86,14 +94,15 @@ class GPTConfig:
     if self.attention not in ATTENTION_IMPLEMENTATIONS:
       raise ValueError(f"GPTConfig.attention must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}, "
                        f"got '{self.attention}'")
+    check_dtype('GPTConfig', self.dtype)
 
   @property
   def head_dim(self) -> int:
     return self.d_model // self.num_heads
 
 
-def _dense(features: int, name: str, std: float = 0.02) -> nn.Dense:
-  return nn.Dense(features, kernel_init=nn.initializers.normal(std), name=name)
+def _dense(features: int, name: str, dtype: str, std: float = 0.02) -> nn.Dense:
+  return nn.Dense(features, kernel_init=nn.initializers.normal(std), dtype=dtype, name=name)
 
 
 class Attention(nn.Module):
@@ -106,14 +115,15 @@ class Attention(nn.Module):
     cfg = self.config
     b, t, _ = x.x_hat.shape
     split = lambda y: y.reshape(b, t, cfg.num_heads, cfg.head_dim)
-    proj = lambda name: split(NormDense(cfg.d_model, nn.initializers.normal(0.02), name=name)(x))
+    proj = lambda name: split(NormDense(cfg.d_model, nn.initializers.normal(0.02), cfg.dtype,
+                                        name=name)(x))
     q = checkpoint_name(proj('query'), 'query_proj')
     k = checkpoint_name(proj('key'), 'key_proj')
     v = checkpoint_name(proj('value'), 'value_proj')
     attn_key, resid_key = dropout_keys(rng, 2)
     ctx = attention(q, k, v, causal=True, dropout_rate=cfg.dropout,
                     deterministic=self.deterministic, rng=attn_key, implementation=cfg.attention)
-    out = _dense(cfg.d_model, 'c_proj', 0.02 / math.sqrt(2 * cfg.num_layers))(
+    out = _dense(cfg.d_model, 'c_proj', cfg.dtype, 0.02 / math.sqrt(2 * cfg.num_layers))(
         ctx.reshape(b, t, cfg.d_model))
     out = checkpoint_name(out, 'out_proj')
     return dropout(out, cfg.dropout, deterministic=self.deterministic, rng=resid_key)
@@ -127,10 +137,10 @@ class MLP(nn.Module):
   @nn.compact
   def __call__(self, x: Normalized, rng):
     cfg = self.config
-    h = NormDense(4 * cfg.d_model, nn.initializers.normal(0.02), name='c_fc')(x)
+    h = NormDense(4 * cfg.d_model, nn.initializers.normal(0.02), cfg.dtype, name='c_fc')(x)
     h = checkpoint_name(h, 'mlpwi')
     out = GeluDense(cfg.d_model, True, nn.initializers.normal(0.02 / math.sqrt(2 * cfg.num_layers)),
-                    name='c_proj')(h)
+                    cfg.dtype, name='c_proj')(h)
     out = checkpoint_name(out, 'mlpwo')
     return dropout(out, cfg.dropout, deterministic=self.deterministic, rng=rng)
 
@@ -159,6 +169,10 @@ class GPT(nn.Module):
   wte.T``: the training loss computes that layer itself, in chunks, so the full
   logits never exist (:func:`models.layers.chunked_cross_entropy`).
 
+  The logits are float32 under either dtype: the output matmul takes ``dtype``
+  operands and accumulates into float32, as the chunked loss does. The hidden
+  states are in ``config.dtype``.
+
   Attributes:
     config: model shape.
     policy: remat policy (a :class:`~remat.policies.Policy` or a spec string).
@@ -174,16 +188,22 @@ class GPT(nn.Module):
     if t > cfg.max_len:
       raise ValueError(f'sequence length {t} exceeds the model max_len {cfg.max_len}')
     init = nn.initializers.normal(0.02)
-    wte = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, name='wte')
+    wte = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, dtype=cfg.dtype, name='wte')
     wpe = nn.Embed(cfg.max_len, cfg.d_model, embedding_init=nn.initializers.normal(0.01),
-                   name='wpe')
+                   dtype=cfg.dtype, name='wpe')
     x = wte(tokens) + wpe(jnp.arange(t))[None]
     x = nn.Dropout(cfg.dropout)(x, deterministic)
     x = LayerStack(Block, cfg.num_layers, policy,
                    block_kwargs={'config': cfg, 'deterministic': deterministic},
                    name='h')(x, deterministic=deterministic)
     x = LayerNorm(cfg.layer_norm_eps, name='ln_f')(x)
-    return x if return_hidden else wte.attend(x)
+    if return_hidden:
+      return x
+    if cfg.dtype == 'float32':
+      return wte.attend(x)
+    # bfloat16 operands, float32 accumulation and logits: a vocabulary-wide softmax of
+    # bfloat16 logits (8 significant bits) would round a logit of 10 by up to 0.03.
+    return jnp.dot(x, wte.embedding.astype(x.dtype).T, preferred_element_type=jnp.float32)
 
   def hidden(self, tokens, *, deterministic: bool = True):
     """Final hidden states [B, T, d_model] (after ``ln_f``); ``wte.attend`` of them are the logits."""

@@ -1,10 +1,16 @@
-"""Pieces shared by the Transformer models (GPT-2, ViT)."""
+"""Pieces shared by the Transformer models (GPT-2, ViT).
+
+Mixed precision (docs/precision.md): parameters are float32; a layer given a
+``dtype`` casts them to it at use, and activations flow in that dtype. LayerNorm
+statistics, the attention softmax and the loss are computed in float32 and cast
+back. The derivative rules below keep their residuals in the activation dtype.
+"""
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -23,6 +29,21 @@ TRANSFORMER_TAGS = {
     'mlpwi': 'MLP input projection before GELU, [B, T, F]',
     'mlpwo': 'MLP output projection, [B, T, D]',
 }
+
+
+# The compute dtypes a model config may name; parameters are float32 under both.
+DTYPES = ('float32', 'bfloat16')
+
+
+def check_dtype(owner: str, dtype) -> None:
+  """Raises a one-line ValueError unless ``dtype`` is one of :data:`DTYPES` (by name)."""
+  if not isinstance(dtype, str) or dtype not in DTYPES:
+    raise ValueError(f"{owner}.dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+
+
+def _low(dtype) -> bool:
+  """True for a dtype narrower than float32 (bfloat16): the mixed-precision code paths."""
+  return jnp.dtype(dtype) != jnp.float32
 
 
 def dropout_keys(rng, n: int):
@@ -105,15 +126,17 @@ class GeluDense(nn.Module):
     features: output width.
     approximate: tanh GELU (GPT-2's ``gelu_new``) or exact erf GELU (ViT's).
     kernel_init: as ``nn.Dense``'s.
+    dtype: computation dtype, as ``nn.Dense``'s (None: promote the input and parameters).
   """
   features: int
   approximate: bool
   kernel_init: Callable = nn.linear.default_kernel_init
+  dtype: Any = None
 
   @nn.compact
   def __call__(self, x):
     kernel, bias = _dense_params(self, x.shape[-1], self.features, self.kernel_init)
-    x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias)
+    x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
     return gelu_dense(x, kernel, bias, self.approximate)
 
 
@@ -133,13 +156,20 @@ def layer_norm(x, scale, bias, eps: float):
 
 
 def _layer_norm_parts(x, scale, bias, eps):
-  """Output (Flax's formula: fast variance, ``(x - mean) * (rsqrt(var + eps) * scale) + bias``), x_hat, rstd."""
+  """Output (Flax's formula: fast variance, ``(x - mean) * (rsqrt(var + eps) * scale) + bias``), x_hat, rstd.
+
+  Computed in float32 whatever ``x``'s dtype (a bfloat16 mean and variance over
+  D elements would lose most of their digits); the output has ``x``'s dtype,
+  ``x_hat`` and ``rstd`` are float32.
+  """
+  dtype = x.dtype
+  x = x.astype(jnp.float32)
   mean = jnp.mean(x, axis=-1, keepdims=True)
   var = jnp.maximum(0.0, jnp.mean(jax.lax.square(x), axis=-1, keepdims=True) - jax.lax.square(mean))
   rstd = jax.lax.rsqrt(var + eps)
   centred = x - mean
   y = centred * (rstd * scale) + bias
-  return y.astype(jnp.result_type(x, scale, bias)), centred * rstd, rstd
+  return y.astype(dtype), centred * rstd, rstd
 
 
 def _x_hat_tangent(x_hat, rstd, dx):
@@ -148,10 +178,29 @@ def _x_hat_tangent(x_hat, rstd, dx):
                  - x_hat * jnp.mean(dx * x_hat, axis=-1, keepdims=True))
 
 
+@functools.partial(jax.checkpoint, prevent_cse=False)
+def _x_hat_tangent_low(x_hat, rstd, dx):
+  # The tangent of a bfloat16 x_hat, computed in float32. A checkpoint saves its inputs
+  # alone, so the backward pass keeps the bfloat16 x_hat (and the per-row rstd) and
+  # converts it again; written plainly, the float32 copy would be the residual instead.
+  dx_hat = _x_hat_tangent(x_hat.astype(jnp.float32), rstd, dx.astype(jnp.float32))
+  return dx_hat.astype(dx.dtype)
+
+
+@functools.partial(jax.checkpoint, prevent_cse=False)
+def _layer_norm_tangent_low(x_hat, rstd, scale, dx, dscale, dbias):
+  # As _x_hat_tangent_low, for the whole LayerNorm: only the bfloat16 x_hat and rstd are kept.
+  x_hat = x_hat.astype(jnp.float32)
+  dx_hat = _x_hat_tangent(x_hat, rstd, dx.astype(jnp.float32))
+  return (dx_hat * scale + x_hat * dscale + dbias).astype(dx.dtype)
+
+
 @layer_norm.defjvp
 def _layer_norm_jvp(eps, primals, tangents):
   (x, scale, bias), (dx, dscale, dbias) = primals, tangents
   y, x_hat, rstd = _layer_norm_parts(x, scale, bias, eps)
+  if _low(x.dtype):
+    return y, _layer_norm_tangent_low(x_hat.astype(x.dtype), rstd, scale, dx, dscale, dbias)
   dx_hat = _x_hat_tangent(x_hat, rstd, dx)
   return y, (dx_hat * scale + x_hat * dscale + dbias).astype(y.dtype)
 
@@ -166,6 +215,10 @@ def normalize(x, eps: float):
 def _normalize_jvp(eps, primals, tangents):
   (x,), (dx,) = primals, tangents
   _, x_hat, rstd = _layer_norm_parts(x, 1.0, 0.0, eps)
+  if _low(x.dtype):
+    # The output and the residual are one bfloat16 array, shared with the NormDense readers.
+    x_hat = x_hat.astype(x.dtype)
+    return x_hat, _x_hat_tangent_low(x_hat, rstd, dx)
   return x_hat.astype(x.dtype), _x_hat_tangent(x_hat, rstd, dx).astype(x.dtype)
 
 
@@ -213,14 +266,17 @@ class NormDense(nn.Module):
   Attributes:
     features: output width.
     kernel_init: as ``nn.Dense``'s.
+    dtype: computation dtype, as ``nn.Dense``'s (None: promote the inputs and parameters);
+      the LayerNorm's ``scale`` and ``bias`` are cast to it too.
   """
   features: int
   kernel_init: Callable = nn.linear.default_kernel_init
+  dtype: Any = None
 
   @nn.compact
   def __call__(self, x: Normalized):
     kernel, bias = _dense_params(self, x.x_hat.shape[-1], self.features, self.kernel_init)
-    return norm_dense(*nn.dtypes.promote_dtype(*x, kernel, bias))
+    return norm_dense(*nn.dtypes.promote_dtype(*x, kernel, bias, dtype=self.dtype))
 
 
 class LayerNorm(nn.Module):
@@ -230,6 +286,10 @@ class LayerNorm(nn.Module):
   With ``parts=True`` it returns the output in its parts (:class:`Normalized`)
   for the :class:`NormDense` layers that read it, which then keep that one
   array alone instead of also the output itself.
+
+  The statistics are float32 whatever the input's dtype; the output (or
+  ``x_hat``) has the input's dtype, and ``scale``/``bias`` stay float32 here
+  (a :class:`NormDense` casts them to its dtype).
 
   Attributes:
     epsilon: added to the variance.

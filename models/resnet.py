@@ -21,6 +21,12 @@ of 1)::
     classifier                               classifier.1
 
 Convolution outputs are tagged where they are created (:data:`TAGS`).
+
+``ResNetConfig.dtype`` is the compute dtype (docs/precision.md): parameters and
+BatchNorm's running statistics are float32 under either dtype; convolutions run
+in ``dtype`` on parameters cast at use, so activations and the saved residuals
+are in ``dtype``; BatchNorm's batch statistics are float32 (and the loss, in
+``training.tasks``).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from models.layers import check_dtype
 from remat.policies import Policy, get_policy
 from remat.stack import LayerStack
 
@@ -67,6 +74,8 @@ class ResNetConfig:
     image_size: default training side; the network takes any side >= 32.
     bn_momentum: running-average decay of BatchNorm (torch's momentum 0.1 is 0.9 here).
     bn_eps: BatchNorm epsilon.
+    dtype: compute dtype, 'float32' or 'bfloat16' (parameters and running
+      statistics stay float32; docs/precision.md).
   """
   embedding_size: int = 64
   hidden_sizes: tuple[int, ...] = (256, 512, 1024, 2048)
@@ -77,6 +86,7 @@ class ResNetConfig:
   image_size: int = 224
   bn_momentum: float = 0.9
   bn_eps: float = 1e-5
+  dtype: str = 'float32'
 
   def __post_init__(self):
     # JSON gives lists; the config must stay hashable.
@@ -98,6 +108,7 @@ class ResNetConfig:
         raise ValueError(f'ResNetConfig.{f} must be >= 1, got {getattr(self, f)}')
     if self.image_size < 32:
       raise ValueError(f'ResNetConfig.image_size must be >= 32, got {self.image_size}')
+    check_dtype('ResNetConfig', self.dtype)
 
   @classmethod
   def from_depth(cls, depth: int, **kwargs) -> 'ResNetConfig':
@@ -169,12 +180,14 @@ class ConvLayer(nn.Module):
     k, cfg = self.kernel, self.config
     # Symmetric k//2 padding as in torch; 'SAME' would pad stride-2 convs asymmetrically.
     x = nn.Conv(self.features, (k, k), (self.stride, self.stride), padding=[(k // 2, k // 2)] * 2,
-                use_bias=False, name='convolution',
+                use_bias=False, name='convolution', dtype=cfg.dtype,
                 kernel_init=nn.initializers.variance_scaling(2.0, 'fan_out', 'normal'))(x)
     if self.tag:
       x = checkpoint_name(x, self.tag)
+    # Flax reduces the batch statistics in float32 (force_float32_reductions) and keeps
+    # the running ones float32 (param_dtype); dtype is the output's.
     x = nn.BatchNorm(use_running_average=not self.train, momentum=self.config.bn_momentum,
-                     epsilon=cfg.bn_eps, name='normalization')(x)
+                     epsilon=cfg.bn_eps, dtype=cfg.dtype, name='normalization')(x)
     return nn.relu(x) if self.relu else x
 
 
@@ -250,4 +263,4 @@ class ResNet(nn.Module):
                        name=f'stages_{s}_layers')(x)
       width = features
     x = jnp.mean(x, axis=(1, 2))
-    return nn.Dense(cfg.num_classes, name='classifier')(x)
+    return nn.Dense(cfg.num_classes, dtype=cfg.dtype, name='classifier')(x)

@@ -20,6 +20,11 @@ leaves under ``encoder/block`` is HF's ``vit.encoder.layer.{i}``)::
     encoder/block/output                        .output.dense
     layernorm                                   vit.layernorm
     classifier                                  classifier
+
+``ViTConfig.dtype`` is the compute dtype (docs/precision.md): parameters are
+float32 under either dtype, cast to ``dtype`` where they are used; activations,
+and so the saved residuals, are in ``dtype``; LayerNorm statistics and the
+softmax are float32 (and the loss, in ``training.tasks``).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from models.layers import (TRANSFORMER_TAGS, GeluDense, LayerNorm, NormDense, Normalized, attention,
-                           dropout_keys)
+                           check_dtype, dropout_keys)
 from remat.policies import Policy, get_policy
 from remat.stack import LayerStack
 
@@ -58,6 +63,8 @@ class ViTConfig:
     attention: attention implementation, ``'auto'``, ``'dense'``, ``'blockwise'``
       or ``'cudnn'`` (:func:`models.attention.attention`). Changes memory and
       time, not values (up to rounding).
+    dtype: compute dtype, 'float32' or 'bfloat16' (parameters stay float32;
+      docs/precision.md).
   """
   image_size: int = 32
   patch_size: int = 4
@@ -71,6 +78,7 @@ class ViTConfig:
   attention_dropout: float = 0.0
   layer_norm_eps: float = 1e-12
   attention: str = 'auto'
+  dtype: str = 'float32'
 
   def __post_init__(self):
     for f in ('image_size', 'patch_size', 'channels', 'num_classes', 'num_layers', 'num_heads',
@@ -89,6 +97,7 @@ class ViTConfig:
     if self.attention not in ATTENTION_IMPLEMENTATIONS:
       raise ValueError(f"ViTConfig.attention must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}, "
                        f"got '{self.attention}'")
+    check_dtype('ViTConfig', self.dtype)
 
   @property
   def num_patches(self) -> int:
@@ -103,8 +112,8 @@ class ViTConfig:
 _INIT = nn.initializers.truncated_normal(0.02)
 
 
-def _dense(features: int, name: str) -> nn.Dense:
-  return nn.Dense(features, kernel_init=_INIT, name=name)
+def _dense(features: int, name: str, dtype: str) -> nn.Dense:
+  return nn.Dense(features, kernel_init=_INIT, dtype=dtype, name=name)
 
 
 class Attention(nn.Module):
@@ -120,14 +129,15 @@ class Attention(nn.Module):
     cfg = self.config
     b, t, _ = x.x_hat.shape
     heads = lambda y: y.reshape(b, t, cfg.num_heads, cfg.d_model // cfg.num_heads)
-    proj = lambda name: heads(NormDense(cfg.d_model, _INIT, name=name)(x))
+    proj = lambda name: heads(NormDense(cfg.d_model, _INIT, cfg.dtype, name=name)(x))
     q = checkpoint_name(proj('query'), 'query_proj')
     k = checkpoint_name(proj('key'), 'key_proj')
     v = checkpoint_name(proj('value'), 'value_proj')
     attn_key, out_key = dropout_keys(rng, 2)
     ctx = attention(q, k, v, causal=False, dropout_rate=cfg.attention_dropout,
                     deterministic=self.deterministic, rng=attn_key, implementation=cfg.attention)
-    out = checkpoint_name(_dense(cfg.d_model, 'output')(ctx.reshape(b, t, cfg.d_model)), 'out_proj')
+    out = _dense(cfg.d_model, 'output', cfg.dtype)(ctx.reshape(b, t, cfg.d_model))
+    out = checkpoint_name(out, 'out_proj')
     return nn.Dropout(cfg.dropout)(out, self.deterministic, rng=out_key)
 
 
@@ -143,8 +153,8 @@ class Block(nn.Module):
     h = LayerNorm(cfg.layer_norm_eps, parts=True, name='layernorm_before')(x)
     x = x + Attention(cfg, self.deterministic, name='attention')(h, attn_key)
     h = LayerNorm(cfg.layer_norm_eps, parts=True, name='layernorm_after')(x)
-    h = checkpoint_name(NormDense(cfg.mlp_dim, _INIT, name='intermediate')(h), 'mlpwi')
-    h = checkpoint_name(GeluDense(cfg.d_model, False, _INIT, name='output')(h), 'mlpwo')
+    h = checkpoint_name(NormDense(cfg.mlp_dim, _INIT, cfg.dtype, name='intermediate')(h), 'mlpwi')
+    h = checkpoint_name(GeluDense(cfg.d_model, False, _INIT, cfg.dtype, name='output')(h), 'mlpwo')
     return x + nn.Dropout(cfg.dropout)(h, self.deterministic, rng=mlp_key), None
 
 
@@ -157,11 +167,12 @@ class Embeddings(nn.Module):
     cfg = self.config
     p = cfg.patch_size
     x = nn.Conv(cfg.d_model, (p, p), strides=(p, p), padding='VALID',
-                kernel_init=_INIT, name='patch')(images)
+                kernel_init=_INIT, dtype=cfg.dtype, name='patch')(images)
     b = x.shape[0]
     x = x.reshape(b, -1, cfg.d_model)
     cls = self.param('cls_token', _INIT, (1, 1, cfg.d_model))
     pos = self.param('position_embeddings', _INIT, (1, cfg.seq_len, cfg.d_model))
+    cls, pos = cls.astype(x.dtype), pos.astype(x.dtype)   # float32 parameters, cast at use
     x = jnp.concatenate([jnp.broadcast_to(cls, (b, 1, cfg.d_model)), x], axis=1) + pos
     return nn.Dropout(cfg.dropout)(x, deterministic)
 
@@ -188,4 +199,4 @@ class ViT(nn.Module):
                    block_kwargs={'config': cfg, 'deterministic': deterministic},
                    name='encoder')(x, deterministic=deterministic)
     x = LayerNorm(cfg.layer_norm_eps, name='layernorm')(x)
-    return _dense(cfg.num_classes, 'classifier')(x[:, 0])
+    return _dense(cfg.num_classes, 'classifier', cfg.dtype)(x[:, 0])

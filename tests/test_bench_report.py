@@ -42,6 +42,7 @@ def test_json_schema(tmp_path, capsys):
     (['--config', 'gpt9'], "unknown config 'gpt9'"),
     (['--sweep', 'width=1,2'], "expected depth=N,..."),
     (['--seq-len', '4096'], 'exceeds the model max_len'),
+    (['--dtype', 'bf16'], "--dtype must be one of float32, bfloat16, got 'bf16'"),
 ])
 def test_errors_are_one_line(argv, needle, capsys):
   assert report.main(argv) == 2

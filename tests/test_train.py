@@ -130,6 +130,7 @@ def _cli(argv, capsys):
     (['--image-size=64'], '--image-size applies to vit and resnet configs'),
     (['--model=resnet', '--remat=minimal'], 'unknown tag(s) query_proj'),
     (['--model=resnet', '--remat=seg:3'], 'valid sizes for this 2-layer stack are 1..2'),
+    (['--dtype=float16'], "--dtype must be one of float32, bfloat16, got 'float16'"),
 ])
 def test_cli_errors_are_one_line_exit_2(argv, needle, capsys, tmp_path):
   out = tmp_path / 'never'

@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
   for name, (typ, help_) in _FLAGS.items():
     p.add_argument('--' + name.replace('_', '-'), type=typ, default=None,
                    help=help_ + ' (default: from the config)')
+  p.add_argument('--dtype', default=None, metavar='DTYPE',
+                 help='compute dtype: float32 or bfloat16 (parameters and optimizer state stay '
+                      "float32; docs/precision.md) (default: the config's, or the resumed run's)")
   p.add_argument('--data', default=None, metavar='PATH',
                  help="text file or folder of text files (default: this Python's stdlib source)")
   p.add_argument('--out', default=None, metavar='DIR',
@@ -72,7 +75,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
   flags = {k: v for k, v in vars(args).items() if v is not None and k in valid}
   recorded = {}
   if args.resume:
-    known = {k: v for k, v in flags.items() if k in ('config', 'remat', 'out')}
+    known = {k: v for k, v in flags.items() if k in ('config', 'remat', 'out', 'dtype')}
     known.setdefault('config', default_config(args.model))
     meta = read_meta(TrainConfig(**known).out_dir) or {}
     # The mesh belongs to the machine, not the run: a resume takes --mesh from its flags only.

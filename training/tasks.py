@@ -159,4 +159,7 @@ class Task:
       return optax.softmax_cross_entropy_with_integer_labels(
           logits.astype(jnp.float32), labels).mean()
     h = model.apply(variables, inputs, deterministic=not train, rngs=rngs, return_hidden=True)
-    return chunked_cross_entropy(h.reshape(-1, h.shape[-1]), emb, labels.reshape(-1), chunk)
+    # The float32 embedding cast to the hidden states' dtype at use (a no-op in float32); the
+    # loss computes the logits in float32 from those operands.
+    return chunked_cross_entropy(h.reshape(-1, h.shape[-1]), emb.astype(h.dtype),
+                                 labels.reshape(-1), chunk)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from configs import DEFAULT_CONFIG, NamedConfig, config_names, load_config
+from configs import DEFAULT_CONFIG, NamedConfig, config_names, load_config, with_dtype
 from remat.memory import MemoryStats, compiled_memory, format_bytes
 from remat.policies import Policy, get_policy
 from training import checkpoints as ckpt
@@ -34,7 +34,8 @@ class TrainConfig:
 
   ``seq_len`` applies to GPT configs, ``image_size`` to vision configs (None:
   the model config's image size). ``model``, if set, is the arch the config
-  must have.
+  must have. ``dtype`` (None: the model config's) overrides the model config's
+  compute dtype (docs/precision.md).
   """
   config: str = 'tiny'
   remat: str = 'sqrt'
@@ -58,12 +59,15 @@ class TrainConfig:
   memory_report: bool = True
   skip_nonfinite: int = 0
   mesh: str | None = None  # --mesh AXIS=N,...; None: one device (training/mesh.py)
+  dtype: str | None = None
 
   @property
   def out_dir(self) -> Path:
     if self.out:
       return Path(self.out)
-    return Path('runs') / rundir.default_name(self.config, self.remat)
+    # A bfloat16 run of the same config and policy gets its own folder (float32 keeps the name).
+    suffix = f'-{self.dtype}' if self.dtype not in (None, 'float32') else ''
+    return Path('runs') / (rundir.default_name(self.config, self.remat) + suffix)
 
 
 class RunError(ValueError):
@@ -102,7 +106,7 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
     the image side (vision).
   """
   _check_positive(cfg)
-  named = load_config(cfg.config)
+  named = with_dtype(load_config(cfg.config), cfg.dtype)
   if cfg.model is not None and cfg.model != named.arch:
     raise RunError(f"--model {cfg.model} does not match config {named.name} (a {named.arch} "
                    f"model); {cfg.model} configs: {', '.join(config_names(cfg.model))}")
@@ -222,12 +226,17 @@ def _check_record(cfg: TrainConfig, named: NamedConfig, out: Path) -> int | None
       raise RunError(f'--resume: {out} was trained with --{what} {was}, not {now}; drop '
                      f'--{what} (or pass --{what} {was}), or pass another --out for a new run')
   # The record went through JSON, which turns tuples (a ResNet's stage widths) into lists; a
-  # field added to the config after the run was saved reads as its default.
-  recorded_model = {**_defaults(type(named.model)), **(meta.get('model') or {})}
-  if (json.loads(json.dumps(recorded_model)) !=
-      json.loads(json.dumps(dataclasses.asdict(named.model)))):
+  # field added to the config after the run was saved reads as its default (float32 for dtype).
+  # The dtype is not shape: checked on its own.
+  was = json.loads(json.dumps({**_defaults(type(named.model)), **(meta.get('model') or {})}))
+  now = json.loads(json.dumps(dataclasses.asdict(named.model)))
+  was_dtype, now_dtype = was.pop('dtype', 'float32'), now.pop('dtype')
+  if was != now:
     raise RunError(f'--resume: config {named.name} has changed shape since {out} was saved; '
                    'restore the config file, or pass another --out for a new run')
+  if was_dtype != now_dtype:
+    raise RunError(f'--resume: {out} was trained with --dtype {was_dtype}, not {now_dtype}; drop '
+                   f'--dtype (or pass --dtype {was_dtype}), or pass another --out for a new run')
   if step > cfg.steps:
     raise RunError(f'--resume: {out} is at step {step}, past --steps {cfg.steps}; pass --steps '
                    f'above {step} to train further')
@@ -251,7 +260,8 @@ def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
     warn(f'no complete checkpoint in {out} (the run ended before its first save); starting '
          'from step 0')
   batch_at, val = data
-  log(f'model: {named.name} ({named.description}) | policy: {policy.spec}: {policy.description}')
+  log(f'model: {named.name} ({named.description}) | dtype: {named.model.dtype} | policy: '
+      f'{policy.spec}: {policy.description}')
 
   model = task.model(policy)
   tx = st.make_optimizer(cfg.lr, cfg.steps, cfg.warmup_steps, cfg.weight_decay, cfg.grad_clip)
