@@ -138,6 +138,30 @@ class Case:
   def policy(self, spec: str | Policy) -> Policy:
     return get_policy(spec, num_layers=self.num_layers)
 
+  def cache_key(self, guard: bool = False) -> dict:
+    """What the train step's plan depends on, for the ``--remat=auto`` cache (no trace needed)."""
+    return {'model': dataclasses.asdict(self.task.config), 'arch': self.task.arch,
+            'batch_size': self.batch_size, 'size': self.size, 'optimizer': OPTIMIZER,
+            'guard': guard, 'source': source_hash()}
+
+  def choose(self, budget: str, target: Target | str, **kwargs):
+    """``--remat=auto`` on this case's train step: :func:`remat.auto.choose`."""
+    from remat import auto
+    return auto.choose(self.train_step, *self.step_args(), budget=budget, target=target,
+                       num_layers=self.num_layers, cache_key=self.cache_key(), **kwargs)
+
+
+def source_hash() -> str:
+  """A hash of the model and training source: an edit to either invalidates cached answers."""
+  import hashlib
+  from pathlib import Path
+  root = Path(__file__).resolve().parent.parent
+  h = hashlib.sha256()
+  for folder in ('models', 'training', 'remat'):
+    for path in sorted((root / folder).glob('*.py')):
+      h.update(path.name.encode() + path.read_bytes())
+  return h.hexdigest()[:16]
+
 
 def case(model_cfg, batch_size: int, size: int) -> Case:
   """The zoo case; one-line ValueError when ``size`` does not fit the model."""
