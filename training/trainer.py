@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from configs import DEFAULT_CONFIG, NamedConfig, config_names, load_config
 from remat.memory import MemoryStats, compiled_memory, format_bytes
+from remat.auto_budget import is_auto, parse_budget
 from remat.policies import Policy, get_policy
 from training import checkpoints as ckpt
 from training import rundir
@@ -96,7 +97,8 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
 
   Returns:
     (named config, task, size, policy); size is the sequence length (GPT) or
-    the image side (vision).
+    the image side (vision). policy is None for an ``auto`` budget, which
+    :func:`train` resolves by compiling (:mod:`training.autoremat`).
   """
   _check_positive(cfg)
   named = load_config(cfg.config)
@@ -123,6 +125,9 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
     if model_cfg.vocab_size < 256:
       raise RunError(f'config {named.name} has vocab_size {model_cfg.vocab_size}; '
                      'byte data needs >= 256')
+  if is_auto(cfg.remat):   # a budget: checked here, resolved to a policy by train() (compiles)
+    parse_budget(cfg.remat)
+    return named, task, size, None
   policy = get_policy(cfg.remat, num_layers=task.num_layers)
   return named, task, size, policy.validate(task.num_layers, task.emitted_tags(size))
 
@@ -184,12 +189,18 @@ def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
     from models.hf import load_hf
     pretrained = load_hf(cfg.init_from, expect_arch=named.arch, config=named.model)[2]
   data = _data(cfg, task, size, log)
+  auto_choice = None
+  if policy is None:
+    from training.autoremat import choose_for_run
+    auto_choice = choose_for_run(cfg, named, task, size, log)
+    policy = get_policy(auto_choice.spec, num_layers=task.num_layers)
   try:
     out.mkdir(parents=True, exist_ok=True)
   except OSError as e:
     raise RunError(f"--out '{out}' cannot be created: {e.strerror}") from None
   with rundir.RunLock(out):
-    return _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn)
+    return _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
+                         auto_choice)
 
 
 def _check_record(cfg: TrainConfig, named: NamedConfig, out: Path) -> int | None:
@@ -225,7 +236,8 @@ def _check_record(cfg: TrainConfig, named: NamedConfig, out: Path) -> int | None
   return step
 
 
-def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn) -> list[dict]:
+def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
+                  auto_choice=None) -> list[dict]:
   out = cfg.out_dir
   saved_step = _check_record(cfg, named, out)
   if cfg.resume and saved_step is None:  # the run was killed before its first save completed
@@ -259,6 +271,7 @@ def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn) -
 
   meta = {'config': named.name, 'arch': named.arch, 'model': dataclasses.asdict(named.model),
           'policy': policy.spec,
+          **({'auto': auto_choice.to_json()} if auto_choice else {}),
           'train': {k: v for k, v in dataclasses.asdict(cfg).items() if k != 'resume'}}
   metrics = rundir.MetricsLog(out, start)
   mngr = ckpt.manager(out, cfg.save_every, writer=True)
