@@ -135,6 +135,24 @@ def _mlp_at(batch):
   return user_mlp.build, (params, jax.ShapeDtypeStruct((batch, user_mlp.D), jnp.float32))
 
 
+@pytest.mark.parametrize('per_item,fixed,budget', [(1000, 5000, 123_456), (7, 0, 7 * 9999 + 3),
+                                                   (1000, 5000, 5999), (3, 10, 9)])
+def test_fit_bisection_on_a_known_plan(per_item, fixed, budget, monkeypatch):
+  """The search logic alone, on plans peak(b) = fixed + per_item * b (+ a kink): no compile."""
+  import remat.fit as fit_mod
+  from remat.memory import MemoryStats
+  peak = lambda b: fixed + per_item * b + (per_item // 2 if b > 50 else 0)
+  monkeypatch.setattr(fit_mod, 'plan', lambda program, args, target: MemoryStats(
+      0, 0, 0, peak(args[1].shape[0]), 0, 'cpu'))
+  monkeypatch.setattr(fit_mod, 'step_flops', lambda *a: type('F', (), {'flops': 1})())
+  got = largest_fitting(_mlp_at, 'none', budget, CPU)
+  want = max([b for b in range(1, 100_000) if peak(b) <= budget], default=0)
+  assert got.value == want
+  if want:
+    assert got.next_peak == peak(want + 1) > budget
+
+
+@pytest.mark.slow
 def test_fit_returns_the_largest_fitting_batch():
   peak = lambda spec, b: auto.plan(user_mlp.build(get_policy(spec)), _mlp_at(b)[1], CPU).peak
   budget = peak('none', 40)
@@ -158,3 +176,31 @@ def test_gpt_least_recompute_against_every_stock_policy(small_config):
     budget = int(full + where * (none - full))
     choice = case.choose(f'auto:{budget}B', CPU, cache=False)
     _check_choice(choice, real, budget)
+
+
+@pytest.mark.slow
+def test_train_resolves_auto_and_records_the_spec(tmp_path, text_file):
+  """train.py --remat=auto:1x trains under the chosen spec and records it in the run's meta.
+
+  (At this small shape the optimizer state dominates: even full plans 99% of none.)
+  """
+  from training.checkpoints import read_meta
+  from training.trainer import TrainConfig, train
+  lines = []
+  cfg = TrainConfig(config='tiny', remat='auto:1x', steps=2, batch_size=2, seq_len=32,
+                    data=str(text_file), out=str(tmp_path / 'run'), eval_every=2,
+                    eval_batches=1, save_every=2, memory_report=False)
+  rows = train(cfg, log=lines.append)
+  said = [l for l in lines if l.startswith('remat: auto:1x -> none: peak ')]
+  assert said, lines
+  _, meta = read_meta(tmp_path / 'run')
+  assert meta['auto']['spec'] == meta['policy'] == rows[-1]['policy'] == 'none'
+  assert meta['auto']['budget'] == 'auto:1x' and meta['train']['remat'] == 'auto:1x'
+  assert meta['auto']['memory']['temp'] > 0 and meta['auto']['compiled'][0]['spec'] == 'none'
+
+
+def test_train_cli_rejects_a_bad_budget_in_one_line(capsys):
+  from training import cli
+  assert cli.main(['--remat=auto:lots', '--steps', '1']) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("train.py: error: 'auto:lots': cannot read the budget") and '\n' not in err
