@@ -150,3 +150,65 @@ class Case:
     from remat import auto
     return auto.choose(self.train_step, *self.step_args(), budget=budget, target=target,
                        num_layers=self.num_layers, cache_key=self.cache_key(), **kwargs)
+
+
+def case(model_cfg, batch_size: int, size: int) -> Case:
+  """The zoo case; one-line ValueError when ``size`` does not fit the model."""
+  return Case(Task(model_cfg).at_size(size), batch_size, size)
+
+
+def measure(model_cfg, spec: str | Policy, batch_size: int, size: int, target: Target,
+            run: bool = False, time_steps: int = 5) -> Measurement:
+  """Measures the train step (forward, backward, AdamW; state donated) under ``spec``.
+
+  Args:
+    model_cfg: a GPTConfig, ViTConfig or ResNetConfig.
+    spec: the policy.
+    batch_size, size: the batch shape; size is the sequence length (GPT) or
+      the image side (vision).
+    target: where to compile for (:func:`remat.targets.get_target`).
+    run: also time the step on a freshly initialised state (local backend only).
+    time_steps: timed steps after 2 warm-up steps.
+  """
+  c = case(model_cfg, batch_size, size)
+  policy = c.policy(spec)
+  return measuring.measure_policy(c.train_step(policy), *c.step_args(), spec=policy.spec,
+                                  target=target, time=run, time_steps=time_steps,
+                                  time_args=c.real_step_args() if run else None)
+
+
+def step_memory(model_cfg, spec: str | Policy, batch_size: int, size: int,
+                target: Target) -> MemoryStats:
+  """Compiled memory of the train step alone (no FLOP or residual walk)."""
+  c = case(model_cfg, batch_size, size)
+  return measuring.step_memory(c.train_step(c.policy(spec)), *c.step_args(), target=target)
+
+
+def step_flops(model_cfg, spec: str | Policy, batch_size: int, size: int):
+  """Matmul/conv FLOPs of the train step, recompute included (jaxpr walk, nothing compiled)."""
+  c = case(model_cfg, batch_size, size)
+  return measuring.step_flops(c.train_step(c.policy(spec)), *c.step_args())
+
+
+def grad_memory(model_cfg, spec: str | Policy, batch_size: int, size: int,
+                target: Target) -> MemoryStats:
+  """Compiled memory of the loss gradient alone (no optimizer update).
+
+  Parameters are arguments and their gradients outputs, so ``temp`` is the
+  activation memory: saved residuals, recompute working sets and transient
+  buffers, without the O(N) gradient and optimizer buffers of the train step.
+  """
+  c = case(model_cfg, batch_size, size)
+  return measuring.step_memory(c.loss(c.policy(spec)), *c.loss_args(), target=target)
+
+
+def local_step(model_cfg, spec: str | Policy, batch_size: int, size: int):
+  """The train step compiled for the local backend, with real inputs to run it on.
+
+  Returns:
+    ``(compiled, state, batch)``: call ``compiled(state, batch) -> (state, loss)``
+    (the state is donated, so pass the returned one to the next call).
+  """
+  c = case(model_cfg, batch_size, size)
+  compiled = measuring.compile_step(c.train_step(c.policy(spec)), *c.step_args(), target='cpu')
+  return (compiled, *c.real_step_args())
