@@ -113,6 +113,11 @@ def layer_candidates(cal: Calibration, tags: set[str], offload: bool) -> list[Ca
     if set(ptags) <= tags and (kind == 'names' or offload):
       preset_of.setdefault((kind, frozenset(ptags)), name)
   kinds = ('names', 'offload') if offload else ('names',)
+  # A tag that is no residual when every tag is saved and saves no FLOPs alone (a value the
+  # backward pass never reads, as the output feeding only a residual add) changes nothing:
+  # subsets that differ only in such tags are one candidate, named by a preset if one is.
+  live = {t for t in tags if cal.tag_bytes.get(t, 0) > 0 or cal.tag_flops.get(t, 0) > 0}
+  seen: dict[tuple, int] = {}
   for subset in tag_subsets(list(tags)):
     saved = sum(cal.tag_bytes.get(t, 0) for t in subset)
     flops = max(cal.flops_none, cal.flops_full - sum(cal.tag_flops.get(t, 0) for t in subset))
@@ -121,7 +126,13 @@ def layer_candidates(cal: Calibration, tags: set[str], offload: bool) -> list[Ca
       spec = name or f'{kind}:{",".join(subset)}'
       # Offloaded residuals leave the device: its plan is about full's.
       est = cal.layer_est(cal.res_full + (saved if kind == 'names' else 0))
-      out.append(Candidate(spec, 'layer', est, flops, False, name is not None))
+      cand = Candidate(spec, 'layer', est, flops, False, name is not None)
+      key = (kind, frozenset(subset) & live)
+      if key not in seen:
+        seen[key] = len(out)
+        out.append(cand)
+      elif name is not None and not out[seen[key]].stock:
+        out[seen[key]] = cand
   return out
 
 
