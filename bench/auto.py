@@ -64,13 +64,25 @@ def main(argv=None) -> int:
     print(f'{PROG}: error: {e}', file=sys.stderr)
     return 2
   state_args = case.step_args()
-  stock = {}
+  # Stock plans are kept in a JSON file as they are compiled, so a rerun (another set of budgets)
+  # compiles only what is missing; the file is keyed like the auto cache.
+  from remat import auto_cache
+  stock_key = auto_cache.key({'case': case.cache_key(), 'env': auto_cache.environment(target)})
+  stock_path = auto_cache.cache_dir() / f'stock-{stock_key}.json'
+  try:
+    stock = json.loads(stock_path.read_text())
+  except (OSError, ValueError):
+    stock = {}
   t0 = time.perf_counter()
   for spec in stock_specs(case.num_layers, case.tags(), target.sharding is not None):
+    if spec in stock:
+      continue
     program = case.train_step(case.policy(spec))
     mem = auto.plan(program, state_args, target)
     stock[spec] = {'peak': mem.peak, 'temp': mem.temp,
                    'flops': step_flops(program, *state_args).flops}
+    stock_path.parent.mkdir(parents=True, exist_ok=True)
+    stock_path.write_text(json.dumps(stock))
     print(f'# stock {spec}: peak {format_bytes(mem.peak)}, flops {stock[spec]["flops"]:.4g}',
           file=sys.stderr, flush=True)
   stock_seconds = time.perf_counter() - t0
@@ -93,6 +105,7 @@ def main(argv=None) -> int:
                  'peak': cold.memory.peak, 'temp': cold.memory.temp, 'flops': cold.flops,
                  'recompute': cold.flops / none['flops'], 'plans_compiled': len(cold.compiled),
                  'cold_seconds': cold.seconds, 'cached_seconds': cached_s,
+                 'exhausted': cold.exhausted,
                  'cached_same': cached.spec == cold.spec,
                  'best_stock': best, 'stock_peak': fits[best]['peak'] if best else None,
                  'stock_recompute': fits[best]['flops'] / none['flops'] if best else None})

@@ -229,6 +229,9 @@ class _Search:
       if best is not None and c.flops >= best[1]:
         return best[0], nbytes, False
       if compiles >= max_compiles:
+        if best is not None:   # full fits: nothing cheaper was found within the cap
+          say(f'compile cap ({max_compiles}) reached; full fits')
+          return best[0], nbytes, True
         say(f'compile cap ({max_compiles}) reached; taking the least estimate')
         spec, peak = self.least(cands)
         if peak > nbytes:
