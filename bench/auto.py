@@ -50,6 +50,8 @@ def main(argv=None) -> int:
   p.add_argument('--target', default='cpu')
   p.add_argument('--budgets', default='0.7x,0.8x,0.9x',
                  help="budgets after 'auto:', separated by ','")
+  p.add_argument('--stock', default=None,
+                 help="stock specs to compare with, separated by ';' (default: all, stock_specs)")
   p.add_argument('--json', metavar='FILE')
   args = p.parse_args(argv)
   from configs import load_config
@@ -74,7 +76,9 @@ def main(argv=None) -> int:
   except (OSError, ValueError):
     stock = {}
   t0 = time.perf_counter()
-  for spec in stock_specs(case.num_layers, case.tags(), target.sharding is not None):
+  specs = (['none'] + [s.strip() for s in args.stock.split(';') if s.strip()] if args.stock
+           else stock_specs(case.num_layers, case.tags(), target.sharding is not None))
+  for spec in specs:
     if spec in stock:
       continue
     program = case.train_step(case.policy(spec))
@@ -86,6 +90,7 @@ def main(argv=None) -> int:
     print(f'# stock {spec}: peak {format_bytes(mem.peak)}, flops {stock[spec]["flops"]:.4g}',
           file=sys.stderr, flush=True)
   stock_seconds = time.perf_counter() - t0
+  stock = {s: m for s, m in stock.items() if s in specs}
   none = stock['none']
   rows = []
   for b in budgets:
@@ -110,8 +115,8 @@ def main(argv=None) -> int:
                  'best_stock': best, 'stock_peak': fits[best]['peak'] if best else None,
                  'stock_recompute': fits[best]['flops'] / none['flops'] if best else None})
   header = (f'# bench.auto: {named.name}, batch {args.batch_size} x {args.size}, float32, target '
-            f'{target.name} ({target.description}), jax {jax.__version__}; stock policies compiled '
-            f'in {stock_seconds:.0f} s')
+            f'{target.name} ({target.description}), jax {jax.__version__}; {len(stock)} stock '
+            f'policies ({"all" if not args.stock else "given"}) compiled in {stock_seconds:.0f} s')
   print(header)
   print(f"{'budget':<12}{'limit':>11}{'chosen':<46}{'peak':>11}{'recomp':>8}  "
         f"{'best stock':<22}{'peak':>11}{'recomp':>8}{'cold':>7}{'cached':>8}")
