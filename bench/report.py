@@ -11,6 +11,7 @@ your own function use ``python -m remat.report --fn``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 
@@ -68,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
                  help='per-device plan of the train step on a device mesh (axes data, fsdp; '
                       'docs/sharding.md); on CPU simulate the devices with '
                       'XLA_FLAGS=--xla_force_host_platform_device_count=N')
+  p.add_argument('--fit', nargs='?', const='batch', choices=('batch', 'size'), default=None,
+                 help='instead of the table at one shape: per policy, the largest batch (or, with '
+                      "'--fit size', sequence length / image side) whose compiled plan fits --budget")
+  p.add_argument('--budget', default='auto', metavar='auto[:SIZE]',
+                 help="for --fit: auto:SIZE (e.g. auto:40GiB), or auto: the target's memory times "
+                      'the preallocated fraction (GPU targets)')
   p.add_argument('--sweep', metavar='depth=N,N,...|resolution=S,S,...',
                  help=f"depth (or, for vit/resnet, image-side) sweep of {', '.join(SWEEP_POLICIES)} "
                       'instead of the policy table')
@@ -185,6 +192,38 @@ def _mesh_report(args, named, fam, size, target, header) -> dict:
   return {'mesh': mesh, 'mesh_plan': rows}
 
 
+def _fit_report(args, named, fam, size, target, header) -> dict:
+  from remat.auto_budget import parse_budget
+  from remat.fit import fit_table, format_fits, plot_fits
+  budget = parse_budget(args.budget)
+  if budget.fraction is not None:
+    raise ValueError(f"--budget '{args.budget}': a fraction of none's plan depends on the batch; "
+                     'give auto:SIZE or auto')
+  nbytes = budget.resolve(0, target.device_memory, target.name)
+  base = zoo.case(named.model, args.batch_size, size)
+  tags = sorted(base.tags())
+  specs = [p.spec for p in measuring.resolve_policies(
+      parse_specs(args.policies, fam.policies, tags), set(tags), base.num_layers)]
+  axis = 'batch' if args.fit == 'batch' else ('image side' if fam.vision else 'seq len')
+  high = 1 << 20
+  if args.fit == 'size' and not fam.vision:
+    high = named.model.max_len
+
+  def case(v: int):
+    c = zoo.case(named.model, v, size) if args.fit == 'batch' else zoo.case(
+        named.model, args.batch_size, v)
+    return c.train_step, c.step_args()
+  fits = fit_table(case, specs, nbytes, target, base.num_layers, high=high)
+  head = header.replace(f'batch {args.batch_size} x ', 'batch B x ' if args.fit == 'batch' else
+                        f'batch {args.batch_size} x ')
+  head += f'; largest {axis} within {budget.describe(nbytes)}'
+  print(format_fits(fits, head, axis))
+  if args.plot:
+    plot_fits(fits, args.plot, head.lstrip('# '), axis)
+  return {'budget_bytes': nbytes, 'fit_axis': axis,
+          'fits': [dataclasses.asdict(f) for f in fits]}
+
+
 def main(argv=None) -> int:
   prefer_cpu_without_gpu()
   args = build_parser().parse_args(argv)
@@ -205,8 +244,8 @@ def main(argv=None) -> int:
     if args.mesh:
       body = _mesh_report(args, named, fam, size, target, header)
     else:
-      body = (_sweep_report if args.sweep else _policy_report)(args, named, fam, size, target,
-                                                               header)
+      report = _sweep_report if args.sweep else (_fit_report if args.fit else _policy_report)
+      body = report(args, named, fam, size, target, header)
   except (PolicyError, TargetError, ValueError, RuntimeError) as e:
     print(f'{PROG}: error: {e}', file=sys.stderr)
     return 2

@@ -23,6 +23,7 @@ from remat.measuring import Measurement, TrainStep
 from remat.memory import MemoryStats
 from remat.targets import Target
 from training import steps as st
+from training.autoremat import source_hash
 from training.tasks import Task
 
 # The optimizer every measured step uses: AdamW, peak lr 1e-3 (10 warm-up steps of 1000),
@@ -145,6 +146,18 @@ class Case:
 
   def policy(self, spec: str | Policy) -> Policy:
     return get_policy(spec, num_layers=self.num_layers)
+
+  def cache_key(self, guard: bool = False) -> dict:
+    """What the train step's plan depends on, for the ``--remat=auto`` cache (no trace needed)."""
+    return {'model': dataclasses.asdict(self.task.config), 'arch': self.task.arch,
+            'batch_size': self.batch_size, 'size': self.size, 'optimizer': OPTIMIZER,
+            'guard': guard, 'source': source_hash()}
+
+  def choose(self, budget: str, target: Target | str, **kwargs):
+    """``--remat=auto`` on this case's train step: :func:`remat.auto.choose`."""
+    from remat import auto
+    return auto.choose(self.train_step, *self.step_args(), budget=budget, target=target,
+                       num_layers=self.num_layers, cache_key=self.cache_key(), **kwargs)
 
 
 def case(model_cfg, batch_size: int, size: int) -> Case:

@@ -101,7 +101,7 @@ class NNXStack(nnx.Module):
 
     xs = (params, rest, keys)
     (_, (aux, _)), tags = trace_layer(step, x, jax.tree_util.tree_map(lambda a: a[0], xs))
-    tag_rule = self.strict and policy.rule in ('names', 'offload')
+    tag_rule = self.strict and policy.uses_tags
     if tag_rule:
       policy.validate(tags=tags)
     y, (auxs, new_rest) = segmented_scan(step, x, xs, n, policy)

@@ -12,10 +12,17 @@ A policy has two parts:
 
 Spec grammar (what ``--remat`` and :func:`get_policy` accept)::
 
-    SPEC      := RULE | SEGMENTS | RULE "@" SEGMENTS
+    SPEC      := STACKED | MIX
+    STACKED   := RULE | SEGMENTS | RULE "@" SEGMENTS
     RULE      := none | full | everything | dots | dots_no_batch
                | convs | names:TAG[,TAG...] | offload:TAG[,TAG...] | PRESET
     SEGMENTS  := sqrt | seg:K | stage
+    MIX       := J "x" STACKED ("+" J "x" STACKED)* "+" [J "x"] STACKED
+
+A **mix** runs consecutive runs of layers of a stack under different specs:
+``4xfull+none`` remats the first 4 layers and no others (Megatron's
+``--recompute-num-layers 4`` with the block method). The last part may omit
+its count: it takes the rest of the stack.
 
 ``sqrt`` alone is Chen et al.'s scheme (``none@sqrt``): segment inputs are
 saved and a segment keeps all its activations while it is recomputed.
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Callable, Iterable, Sequence
 
 import jax
@@ -140,6 +148,7 @@ class Policy:
   tags: tuple[str, ...] = ()
   segment: int | str | None = None
   description: str = ''
+  parts: tuple[tuple[int | None, 'Policy'], ...] = ()
 
   @property
   def remat_layers(self) -> bool:
@@ -149,12 +158,41 @@ class Policy:
   @property
   def offloads(self) -> bool:
     """True when the policy asks XLA to move residuals to host memory."""
-    return self.rule == 'offload'
+    return self.rule == 'offload' or any(p.offloads for _, p in self.parts)
 
   @property
   def segmented(self) -> bool:
     """True when the policy checkpoints segments of a stack (needs a stack helper)."""
     return self.segment is not None
+
+  @property
+  def mixed(self) -> bool:
+    """True for a mix (``4xfull+none``): runs of layers under different specs."""
+    return bool(self.parts)
+
+  @property
+  def uses_tags(self) -> bool:
+    """True when a rule names tags (``names:``, ``offload:``, a preset), in any part of a mix."""
+    return self.rule in _TAG_RULES or any(p.uses_tags for _, p in self.parts)
+
+  def layer_split(self, num_layers: int) -> list[tuple[int, 'Policy']]:
+    """A mix's parts as (layers, policy) over a stack of ``num_layers``, in stack order.
+
+    Counts are taken in order and cut at the end of the stack; the last part
+    without a count takes the rest. A stack shorter than the mix's counts (a
+    ResNet stage under a non-strict stack) thus runs its layers under the
+    first parts only.
+    """
+    out, left = [], num_layers
+    for count, part in self.parts:
+      take = left if count is None else min(count, left)
+      if take > 0:
+        out.append((take, part))
+      left -= take
+    if left > 0:  # every part was counted and they sum to less than the stack: the last runs on
+      last = out[-1] if out else (0, self.parts[-1][1])
+      out[-1:] = [(last[0] + left, last[1])]
+    return out
 
   @property
   def jax_policy(self) -> Callable:
@@ -169,7 +207,7 @@ class Policy:
     Raises:
       PolicyError: for ``none`` and for segmented specs (one line, naming what to use).
     """
-    if self.segmented:
+    if self.segmented or self.mixed:
       raise PolicyError(self._needs_stack('jax_policy'))
     if not self.remat_layers:
       raise PolicyError(
@@ -181,6 +219,8 @@ class Policy:
   def _layer_policy(self) -> Callable | None:
     # The per-layer rule, None for no remat. Only the stack helpers, which know
     # to skip jax.checkpoint for None, may use it.
+    if self.mixed:
+      raise PolicyError(self._needs_stack('a single per-layer rule'))
     if self.rule == 'names':
       return cp.save_only_these_names(*self.tags)
     if self.rule == 'offload':
@@ -191,7 +231,8 @@ class Policy:
     return None if factory is None else factory()
 
   def _needs_stack(self, what: str) -> str:
-    return (f"remat policy '{self.spec}' segments a stack of layers, which {what} cannot "
+    verb = 'mixes rules across' if self.mixed else 'segments'
+    return (f"remat policy '{self.spec}' {verb} a stack of layers, which {what} cannot "
             'express; use remat.LayerStack (linen), remat.NNXStack (nnx) or remat.scan_layers '
             '(plain JAX)')
 
@@ -220,6 +261,8 @@ class Policy:
     Raises:
       PolicyError: with a one-line message naming what is valid.
     """
+    if self.mixed:
+      return self._validate_mix(num_layers, tags)
     if num_layers is not None and isinstance(self.segment, int) and not (
         1 <= self.segment <= num_layers):
       raise PolicyError(
@@ -233,6 +276,22 @@ class Policy:
         raise PolicyError(
             f"remat policy '{self.spec}': unknown tag(s) {', '.join(unknown)}; "
             f'this model emits: {emits}')
+    return self
+
+  def _validate_mix(self, num_layers: int | None, tags) -> 'Policy':
+    counted = sum(c for c, _ in self.parts if c is not None)
+    if num_layers is not None:
+      open_end = self.parts[-1][0] is None
+      if (counted >= num_layers) if open_end else (counted != num_layers):
+        want = f'fewer than {num_layers}' if open_end else f'exactly {num_layers}'
+        raise PolicyError(
+            f"remat policy '{self.spec}': the counted parts cover {counted} layers; this "
+            f'{num_layers}-layer stack needs {want} (the last part may omit its count)')
+    for count, part in (self.layer_split(num_layers) if num_layers else self.parts):
+      try:
+        part.validate(count, tags)
+      except PolicyError as e:
+        raise PolicyError(f"{e} (in the mix '{self.spec}')") from None
     return self
 
   def checkpoint(self, fn: Callable, *, prevent_cse: bool = True, **kwargs) -> Callable:
@@ -270,7 +329,7 @@ class Policy:
 
   def _wrap(self, wrapper: Callable, target, what: str, prevent_cse: bool, kwargs: dict):
     # The one place the three entry points share: segmentings need a stack, none is a no-op.
-    if self.segmented:
+    if self.segmented or self.mixed:
       raise PolicyError(self._needs_stack(what))
     if not self.remat_layers:
       return target
@@ -341,13 +400,56 @@ def get_policy(spec: str | Policy, *, num_layers: int | None = None,
   text = spec.strip()
   if not text:
     raise PolicyError(f"empty remat policy; valid: {', '.join(policy_names())}")
+  if text == 'auto' or text.startswith('auto:'):
+    raise PolicyError(f"'{text}' is a budget, not a policy: train.py --remat and "
+                      'remat.auto.choose resolve it to the policy it picks')
+  if _MIX_SEP.search(text):
+    return _parse_mix(text).validate(num_layers, tags)
+  count, x, rest = text.partition('x')
+  if x and count.isascii() and count.isdigit():
+    raise PolicyError(f"remat policy '{text}': a layer count starts a mix and needs a part after "
+                      f"it, e.g. {text}+none")
+  return _parse_stacked(text).validate(num_layers, tags)
+
+
+# '+' separates a mix's parts, except right after ':' where it is a (bad) sign, as in 'seg:+2'.
+_MIX_SEP = re.compile(r'(?<!:)\+')
+
+
+def _parse_mix(text: str) -> Policy:
+  """``J x SPEC + ... + [J x] SPEC``: runs of layers, each under its own (unmixed) spec."""
+  parts = []
+  pieces = [p.strip() for p in text.split('+')]
+  for i, piece in enumerate(pieces):
+    if not piece:
+      raise PolicyError(f"remat policy '{text}': empty part; write J x SPEC + ... + SPEC, "
+                        'e.g. 4xfull+none')
+    count_text, x, rest = piece.partition('x')
+    count_text = count_text.strip()
+    counted = bool(x) and count_text.isascii() and count_text.isdigit()
+    if counted and int(count_text) < 1:
+      raise PolicyError(f"remat policy '{text}': a part's layer count must be >= 1, got "
+                        f"'{count_text}'")
+    if not counted and i < len(pieces) - 1:
+      raise PolicyError(f"remat policy '{text}': part '{piece}' needs a layer count, "
+                        "e.g. 4xfull+none (only the last part may omit it)")
+    sub = _parse_stacked(rest.strip() if counted else piece, text)
+    parts.append((int(count_text) if counted else None, sub))
+  canon = '+'.join(p.spec if c is None else f'{c}x{p.spec}' for c, p in parts)
+  desc = '; '.join(f"{'the rest' if c is None else f'{c} layers'}: {p.spec}" for c, p in parts)
+  return Policy(canon, 'mix', (), None, f'layers in runs ({desc})', tuple(parts))
+
+
+def _parse_stacked(text: str, spec: str | None = None) -> Policy:
+  """RULE | SEGMENTS | RULE@SEGMENTS; ``spec`` is the whole spec, for messages."""
+  whole = spec or text
   rule_text, at, seg_text = text.partition('@')
   segment = None
   if at:
-    segment = _parse_segment(seg_text.strip(), text)
+    segment = _parse_segment(seg_text.strip(), whole)
   elif rule_text in ('sqrt', 'stage') or rule_text.startswith('seg:'):
-    rule_text, segment = 'none', _parse_segment(rule_text, text)
-  rule, tag_tuple, desc = _parse_rule(rule_text.strip(), text)
+    rule_text, segment = 'none', _parse_segment(rule_text, whole)
+  rule, tag_tuple, desc = _parse_rule(rule_text.strip(), whole)
   canon_rule = rule_text.strip() if rule_text.strip() in PRESETS else (
       f'{rule}:{",".join(tag_tuple)}' if rule in _TAG_RULES else rule)
   if segment is None:
@@ -360,13 +462,13 @@ def get_policy(spec: str | Policy, *, num_layers: int | None = None,
                  segment, f'segments of {segment} layers')
     desc = (f'checkpointed {where} (segment inputs saved)' if rule == 'none'
             else f'{desc}; per layer, inside checkpointed {where}')
-  return Policy(canon, rule, tag_tuple, segment, desc).validate(num_layers, tags)
+  return Policy(canon, rule, tag_tuple, segment, desc)
 
 
 def policy_names() -> list[str]:
   """Names accepted on their own (rules, presets, segmentings)."""
   return list(_RULES) + list(PRESETS) + ['sqrt', 'seg:K', 'stage', 'names:T1,..',
-                                          'offload:T1,..']
+                                          'offload:T1,..', 'JxSPEC+SPEC']
 
 
 def list_policies() -> list[tuple[str, str]]:
@@ -383,7 +485,11 @@ def list_policies() -> list[tuple[str, str]]:
             'divide N, which costs a copy of the stack\'s gradients)'),
            ('stage', 'one checkpointed segment per layer stack: saves only stack (ResNet stage) '
             'inputs, recomputes a whole stage at once'),
-           ('RULE@sqrt, RULE@seg:K', 'per-layer RULE inside checkpointed segments, e.g. full@sqrt')]
+           ('RULE@sqrt, RULE@seg:K', 'per-layer RULE inside checkpointed segments, e.g. full@sqrt'),
+           ('JxSPEC+SPEC', 'a mix: the first J layers of a stack under one spec, the rest under '
+            "another, e.g. 4xfull+none (Megatron's --recompute-num-layers 4)"),
+           ('auto, auto:SIZE, auto:Fx', 'train.py only: the policy of least recompute whose '
+            'compiled plan fits a budget (docs/auto.md)')]
   return rows
 
 

@@ -75,7 +75,25 @@ def build_parser() -> argparse.ArgumentParser:
                  help='also run each program (median of 5 after 2 warm-up; local backend only)')
   p.add_argument('--json', metavar='FILE', help='write every figure and the environment as JSON')
   p.add_argument('--plot', metavar='FILE', help='write a PNG of memory against recompute')
+  p.add_argument('--auto', metavar='BUDGET',
+                 help='instead of the table: the policy of least recompute whose plan fits BUDGET '
+                      '(auto:SIZE, auto:Fx or auto; docs/auto.md)')
+  p.add_argument('--num-layers', type=int, default=None,
+                 help="with --auto: N of build's layer stack, to search segmentings and mixes too")
   return p
+
+
+def _auto(args, build, example_args, target) -> int:
+  from remat import auto
+  choice = auto.choose(build, *example_args, budget=args.auto, target=target,
+                       num_layers=args.num_layers,
+                       log=lambda s: print(s, file=sys.stderr, flush=True))
+  print(choice.summary())
+  print(choice.spec)
+  if args.json:
+    write_json(args.json, {'jax': jax.__version__, 'target': target.name, 'fn': args.fn},
+               {'auto': choice.to_json()})
+  return 0
 
 
 def main(argv=None) -> int:
@@ -84,6 +102,8 @@ def main(argv=None) -> int:
   try:
     build, example_args = load_factory(args.fn)
     target = get_target(args.target)
+    if args.auto:
+      return _auto(args, build, example_args, target)
     kind = 'train step' if isinstance(build(_none()), TrainStep) else 'value_and_grad of loss'
     header = (f'# {kind}, {args.fn}, target {target.name} ({target.description}), compile only'
               f'{" + timed on the local backend" if args.time else ""} (jax {jax.__version__})')

@@ -90,6 +90,8 @@ def segmented_scan(step: Callable, x, xs, num_layers: int, policy: Policy):
   Returns:
     ``(x, ys)`` as from ``lax.scan``: ``ys`` stacked ``[N, ...]``.
   """
+  if policy.mixed:
+    return _mixed_scan(step, x, xs, num_layers, policy)
   rule = policy._layer_policy()
   size = policy.segment_size(num_layers)
   if num_layers == 1:
@@ -114,6 +116,25 @@ def segmented_scan(step: Callable, x, xs, num_layers: int, policy: Policy):
     x, ys_rest = jax.lax.scan(segment(rest, prevent_cse=True), x, _add_axis(tail))
     ys = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b[0]]), ys, ys_rest)
   return x, ys
+
+
+def _mixed_scan(step: Callable, x, xs, num_layers: int, policy: Policy):
+  """A mix: consecutive runs of layers, each a :func:`segmented_scan` under its own part.
+
+  Each run reads its slice of the stacked ``xs``, so the parameter tree is the
+  same as under any other policy; the price is that XLA assembles the stack's
+  gradient from the runs' pieces, a copy the size of the stack's parameters
+  (as for a remainder segment), which the compiled plan shows.
+  """
+  start, outs = 0, []
+  for count, part in policy.layer_split(num_layers):
+    run_xs = jax.tree_util.tree_map(lambda a, s=start, c=count: a[s:s + c], xs)
+    x, ys = segmented_scan(step, x, run_xs, count, part)
+    outs.append(ys)
+    start += count
+  if len(outs) == 1:
+    return x, outs[0]
+  return x, jax.tree_util.tree_map(lambda *a: jnp.concatenate(a), *outs)
 
 
 # --- the checks every front door makes when its stack is traced ------------------------------
@@ -262,7 +283,7 @@ def scan_layers(layer_fn: Callable, stacked_params, x, *args, policy: Policy | s
 
   xs = (stacked_params, keys)
   (_, aux), tags = trace_layer(step, x, _first(xs))
-  tag_rule = strict and policy.rule in ('names', 'offload')
+  tag_rule = strict and policy.uses_tags
   if tag_rule:
     policy.validate(tags=tags)
   y, auxs = segmented_scan(step, x, xs, n, policy)

@@ -133,7 +133,7 @@ class LayerStack(nn.Module):
 
     xs = (variables, keys)
     (_, (aux, _)), tags = trace_layer(step, x, jax.tree_util.tree_map(lambda a: a[0], xs))
-    tag_rule = self.strict and policy.rule in ('names', 'offload')
+    tag_rule = self.strict and policy.uses_tags
     if tag_rule:
       policy.validate(tags=tags)
     y, (auxs, new) = segmented_scan(step, x, xs, n, policy)

@@ -43,6 +43,9 @@ def test_json_schema(tmp_path, capsys):
     (['--sweep', 'width=1,2'], "expected depth=N,..."),
     (['--seq-len', '4096'], 'exceeds the model max_len'),
     (['--dtype', 'bf16'], "--dtype must be one of float32, bfloat16, got 'bf16'"),
+    (['--fit', '--budget', 'auto:0.5x'], "a fraction of none's plan depends on the batch"),
+    (['--fit', '--budget', 'auto'], 'target cpu has no known device memory'),
+    (['--fit', '--budget', 'auto:lots'], "cannot read the budget 'lots'"),
 ])
 def test_errors_are_one_line(argv, needle, capsys):
   assert report.main(argv) == 2
@@ -67,3 +70,21 @@ def test_vision_reports(tmp_path, capsys):
   # convs saves by primitive: the conv outputs it keeps are the values before their tag.
   assert rows['convs']['residual_bytes'] > rows['full']['residual_bytes']
   assert rows['convs']['recompute_ratio'] == 1.0 and rows['full']['recompute_ratio'] > 1.2
+
+
+@pytest.mark.slow
+def test_fit_table_and_plot(tmp_path, capsys):
+  """--fit: per policy the largest batch whose plan fits, which the next batch does not."""
+  import json as _json
+  out = tmp_path / 'fit.json'
+  assert report.main(['--config', 'tiny', '--seq-len', '32', '--fit', '--budget', 'auto:40MiB',
+                      '--policies', 'full', '--json', str(out), '--plot',
+                      str(tmp_path / 'fit.png')]) == 0
+  text = capsys.readouterr().out
+  assert 'largest batch within 40.00 MiB' in text
+  fits = _json.loads(out.read_text())['fits']
+  assert [f['spec'] for f in fits] == ['none', 'full']
+  for f in fits:
+    assert f['value'] >= 1 and f['peak'] <= 40 * 2**20 < f['next_peak']
+  assert fits[1]['value'] >= fits[0]['value']
+  assert (tmp_path / 'fit.png').stat().st_size > 0

@@ -18,6 +18,7 @@ cp = jax.checkpoint_policies
     ('qkv_proj_offloaded', 'offload', None), ('names:out_proj,mlpwo', 'names', None),
     ('stage', 'none', 'stage'), ('full@stage', 'full', 'stage'), ('convs', 'convs', None),
     ('save_conv_narrow@sqrt', 'names', 'sqrt'),
+    ('4xfull+none', 'mix', None), ('2xfull@seg:2+3xnames:context+dots', 'mix', None),
 ])
 def test_parse(spec, rule, segment):
   p = get_policy(spec)
@@ -113,6 +114,18 @@ def test_listing_covers_registry():
     ('seg:6', {'num_layers': 5}, 'segment size 6 is out of range; valid sizes for this 5-layer stack are 1..5'),
     ('names:nope', {'tags': TAGS}, 'unknown tag(s) nope; this model emits: context, key_proj'),
     ('offload:query_proj,nope', {'tags': TAGS}, 'unknown tag(s) nope'),
+    ('full+none', {}, "part 'full' needs a layer count, e.g. 4xfull+none"),
+    ('4xfull', {}, 'a layer count starts a mix and needs a part after it, e.g. 4xfull+none'),
+    ('0xfull+none', {}, "a part's layer count must be >= 1, got '0'"),
+    ('4xfull++none', {}, 'empty part'),
+    ('4xbogus+none', {}, "unknown remat policy '4xbogus+none'"),
+    ('5xfull+none', {'num_layers': 5}, 'the counted parts cover 5 layers; this 5-layer stack '
+     'needs fewer than 5'),
+    ('2xfull+2xnone', {'num_layers': 5}, 'needs exactly 5'),
+    ('2xfull@seg:3+none', {'num_layers': 5}, "segment size 3 is out of range; valid sizes for "
+     "this 2-layer stack are 1..2 (in the mix '2xfull@seg:3+none')"),
+    ('2xnames:nope+none', {'tags': TAGS}, 'unknown tag(s) nope'),
+    ('auto:40GiB', {}, "'auto:40GiB' is a budget, not a policy"),
 ])
 def test_errors_are_one_line(spec, kwargs, needle):
   with pytest.raises(PolicyError) as e:
@@ -158,3 +171,16 @@ def test_spec_type_is_checked(bad):
   with pytest.raises(PolicyError, match='a remat policy is a spec string or a Policy') as e:
     get_policy(bad)
   assert '\n' not in str(e.value)
+
+
+def test_mix_parts_and_layer_split():
+  p = get_policy(' 4x full + 2xdots@seg:2 + none ', num_layers=12)
+  assert p.spec == '4xfull+2xdots@seg:2+none' and p.mixed and get_policy(p.spec) == p
+  assert [(n, q.spec) for n, q in p.layer_split(12)] == [(4, 'full'), (2, 'dots@seg:2'),
+                                                          (6, 'none')]
+  # A shorter stack (a ResNet stage under a non-strict stack) runs the first parts only.
+  assert [(n, q.spec) for n, q in p.layer_split(5)] == [(4, 'full'), (1, 'dots@seg:2')]
+  assert get_policy('2xnone+qkv_proj_offloaded').offloads
+  assert get_policy('2xnone+save_qkv_proj').uses_tags and not get_policy('2xnone+full').uses_tags
+  with pytest.raises(PolicyError, match='mixes rules across a stack'):
+    get_policy('4xfull+none').checkpoint(lambda x: x)

@@ -49,3 +49,16 @@ def test_command_line_from_the_users_directory():
   assert 'Traceback' not in run.stderr
   assert run.stderr.strip().splitlines()[-1] == (
       "remat.report: error: --fn 'user_mlp:missing': user_mlp has no attribute missing")
+
+
+def test_auto_prints_the_chosen_spec(tmp_path, monkeypatch, capsys):
+  monkeypatch.setenv('REMAT_CACHE', str(tmp_path))
+  assert report.main(['--fn', 'user_mlp:factory', '--auto', 'auto:1x']) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert out[0].startswith('auto:1x -> none: peak ') and out[-1] == 'none'
+
+
+def test_auto_bad_budget_is_one_line(capsys):
+  assert report.main(['--fn', 'user_mlp:factory', '--auto', 'auto:big']) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("remat.report: error: 'auto:big': cannot read") and '\n' not in err

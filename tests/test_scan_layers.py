@@ -103,3 +103,29 @@ def test_strict_off_for_models_whose_stacks_differ():
   assert scan_layers(mlp, p, x, policy='names:shortcut', strict=False).shape == x.shape
   got = jax.grad(lambda p: jnp.sum(scan_layers(mlp, p, x, policy='seg:20', strict=False) ** 2))(p)
   assert_trees_close(got, jax.grad(no_remat_loss)(p, x))
+
+
+@pytest.mark.parametrize('spec', ['4xfull+none', '3xnone+full', '8xfull@seg:4+sqrt',
+                                  f'2xnames:{TAG}+5xdots+full', '15xfull+none'])
+def test_mix_gives_the_gradients_of_none(spec):
+  """A mix (runs of layers under different specs) changes memory only: same loss and gradients."""
+  p, x = stacked_params(), inputs()
+  def loss(p, spec):
+    return jnp.sum(scan_layers(mlp, p, x, policy=spec) ** 2)
+  want = jax.value_and_grad(no_remat_loss)(p, x)
+  got = jax.jit(jax.value_and_grad(loss), static_argnums=1)(p, spec)
+  assert_trees_close(got, want, err_msg=f'{spec}: ')
+
+
+def test_mix_really_remats_only_its_runs():
+  """4xfull+names:fc1 keeps the tagged value for 12 layers, not 16."""
+  from remat.residuals import by_tag, saved_residuals
+  p, x = stacked_params(), inputs()
+  def kept(spec):
+    res = saved_residuals(lambda p, x: jnp.sum(scan_layers(mlp, p, x, policy=spec)), p, x)
+    return by_tag(res).get(TAG, 0)
+  per_layer = kept(f'names:{TAG}') // DEPTH
+  assert per_layer > 0
+  assert kept(f'4xfull+names:{TAG}') == (DEPTH - 4) * per_layer
+  assert kept(f'4xnames:{TAG}+full') == 4 * per_layer
+  assert kept('full') == 0

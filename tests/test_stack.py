@@ -11,7 +11,8 @@ from numerics import assert_trees_close
 from remat import LayerStack, get_policy
 from remat.tags import iter_eqns
 
-SPECS = ['none', 'full', 'dots', 'sqrt', 'seg:2', 'full@sqrt', 'minimal@seg:3']
+SPECS = ['none', 'full', 'dots', 'sqrt', 'seg:2', 'full@sqrt', 'minimal@seg:3', '2xfull+none',
+         '1xdots+2xfull@seg:2+none']
 
 
 @pytest.mark.parametrize('spec', SPECS)

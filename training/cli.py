@@ -41,7 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument('--remat', default=None, metavar='SPEC',
                  help="remat policy spec, e.g. none, full, dots, names:query_proj,out_proj, sqrt, "
-                      "seg:4, full@sqrt; 'list' prints them all (default: sqrt, or the resumed run's)")
+                      "seg:4, full@sqrt, 4xfull+none; or a memory budget, auto:SIZE (auto:8GiB), "
+                      "auto:Fx (auto:0.6x of none's plan) or auto (a GPU's pool), resolved to the "
+                      "policy of least recompute that fits (docs/auto.md); 'list' prints them all "
+                      "(default: sqrt, or the resumed run's)")
   p.add_argument('--model', default=None, metavar='MODEL',
                  help=f"model family: {', '.join(DEFAULT_CONFIG)}; picks its default config "
                       f"({', '.join(f'{k}: {v}' for k, v in DEFAULT_CONFIG.items())})")

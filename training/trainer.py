@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from configs import DEFAULT_CONFIG, NamedConfig, config_names, load_config, with_dtype
 from remat.memory import MemoryStats, compiled_memory, format_bytes
+from remat.auto_budget import is_auto, parse_budget
 from remat.policies import Policy, get_policy
 from training import checkpoints as ckpt
 from training import mesh as meshlib
@@ -103,7 +104,8 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
 
   Returns:
     (named config, task, size, policy); size is the sequence length (GPT) or
-    the image side (vision).
+    the image side (vision). policy is None for an ``auto`` budget, which
+    :func:`train` resolves by compiling (:mod:`training.autoremat`).
   """
   _check_positive(cfg)
   named = with_dtype(load_config(cfg.config), cfg.dtype)
@@ -130,6 +132,9 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
     if model_cfg.vocab_size < 256:
       raise RunError(f'config {named.name} has vocab_size {model_cfg.vocab_size}; '
                      'byte data needs >= 256')
+  if is_auto(cfg.remat):   # a budget: checked here, resolved to a policy by train() (compiles)
+    parse_budget(cfg.remat)
+    return named, task, size, None
   policy = get_policy(cfg.remat, num_layers=task.num_layers)
   return named, task, size, policy.validate(task.num_layers, task.emitted_tags(size))
 
@@ -194,12 +199,18 @@ def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
     from models.hf import load_hf
     pretrained = load_hf(cfg.init_from, expect_arch=named.arch, config=named.model)[2]
   data = _data(cfg, task, size, log)
+  auto_choice = None
+  if policy is None:
+    from training.autoremat import choose_for_run
+    auto_choice = choose_for_run(cfg, named, task, size, log)
+    policy = get_policy(auto_choice.spec, num_layers=task.num_layers)
   try:
     out.mkdir(parents=True, exist_ok=True)
   except OSError as e:
     raise RunError(f"--out '{out}' cannot be created: {e.strerror}") from None
   with rundir.RunLock(out) if place.is_primary else contextlib.nullcontext():
-    return _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn, place)
+    return _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn, place,
+                         auto_choice)
 
 
 def _check_record(cfg: TrainConfig, named: NamedConfig, out: Path) -> int | None:
@@ -253,7 +264,7 @@ NUMERICS_FIELDS = ('attention', 'dtype', 'loss_chunk')
 
 
 def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
-                  place: meshlib.Placement) -> list[dict]:
+                  place: meshlib.Placement, auto_choice=None) -> list[dict]:
   out = cfg.out_dir
   saved_step = _check_record(cfg, named, out)
   if cfg.resume and saved_step is None:  # the run was killed before its first save completed
@@ -290,6 +301,7 @@ def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
 
   meta = {'config': named.name, 'arch': named.arch, 'model': dataclasses.asdict(named.model),
           'policy': policy.spec,
+          **({'auto': auto_choice.to_json()} if auto_choice else {}),
           'train': {k: v for k, v in dataclasses.asdict(cfg).items() if k != 'resume'}}
   metrics = rundir.MetricsLog(out, start) if place.is_primary else meshlib.NullMetrics()
   mngr = ckpt.manager(out, cfg.save_every, writer=True)

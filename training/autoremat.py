@@ -1,0 +1,81 @@
+"""``train.py --remat=auto:...``: the policy of least recompute whose plan of this run's step fits.
+
+The step planned is the one training compiles (:func:`training.steps.make_train_step`
+with the run's optimizer, seed and non-finite guard) for the local backend,
+so the chosen plan is the plan that trains. The answer is cached
+(:mod:`remat.auto_cache`), keyed by the model config, shapes, optimizer
+settings and a hash of the model and training source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from remat import auto
+from remat.auto_budget import Budget, parse_budget
+from remat.measuring import TrainStep
+from training import steps as st
+from training.tasks import Task
+
+
+def local_budget(text: str) -> Budget:
+  """The budget of ``text``; plain ``auto`` on a local GPU is its allocator's limit.
+
+  On a GPU, ``memory_stats()['bytes_limit']`` is the pool JAX allocates from
+  (the device memory times XLA_PYTHON_CLIENT_MEM_FRACTION), which is exactly
+  what plain ``auto`` means. The CPU backend has no such limit: give a size.
+  """
+  budget = parse_budget(text)
+  if budget.device:
+    stats = jax.devices()[0].memory_stats() or {}
+    if stats.get('bytes_limit'):
+      return Budget(budget.text, nbytes=int(stats['bytes_limit']))
+    raise auto.BudgetError(f"'{text}': the {jax.default_backend()} backend reports no device "
+                           'memory; give a budget: auto:SIZE (e.g. auto:8GiB) or auto:Fx '
+                           '(e.g. auto:0.6x)')
+  return budget
+
+
+def choose_for_run(cfg, named, task: Task, size: int, log) -> auto.Choice:
+  """Runs (or reads from the cache) the search for this run's train step.
+
+  Args:
+    cfg: the :class:`training.trainer.TrainConfig` (``cfg.remat`` is the auto spec).
+    named: the named config.
+    task: the task at ``size``.
+    size: sequence length or image side.
+    log: where the search's lines and the answer go.
+  """
+  budget = local_budget(cfg.remat)
+  tx = st.make_optimizer(cfg.lr, cfg.steps, cfg.warmup_steps, cfg.weight_decay, cfg.grad_clip)
+  args = st.abstract_inputs(task.model('none'), tx, cfg.batch_size, size, cfg.seed)
+
+  def build(policy):
+    model = task.model(policy)
+    loss = lambda params, inputs: task.loss(model, params, inputs[0], inputs[1],
+                                            jax.random.PRNGKey(0))[0]
+    return TrainStep(st.make_train_step(model, tx, cfg.seed, guard=True), loss,
+                     lambda state, batch: (state.params, (state.model_state, batch)))
+
+  key = {'config': named.name, 'model': dataclasses.asdict(named.model), 'batch_size':
+         cfg.batch_size, 'size': size, 'optimizer': [cfg.lr, cfg.steps, cfg.warmup_steps,
+                                                     cfg.weight_decay, cfg.grad_clip],
+         'seed': cfg.seed, 'guard': True, 'source': source_hash()}
+  choice = auto.choose(build, *args, budget=budget, target='cpu', num_layers=task.num_layers,
+                       cache_key=key, log=log)
+  log(f'remat: {choice.summary()}')
+  return choice
+
+
+def source_hash() -> str:
+  """A hash of the model, training and remat source: an edit invalidates cached answers."""
+  import hashlib
+  from pathlib import Path
+  root = Path(__file__).resolve().parent.parent
+  h = hashlib.sha256()
+  for folder in ('models', 'training', 'remat'):
+    for path in sorted((root / folder).glob('*.py')):
+      h.update(path.name.encode() + path.read_bytes())
+  return h.hexdigest()[:16]
