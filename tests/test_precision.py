@@ -94,7 +94,13 @@ def test_gpt_runs_in_bfloat16(small_params, windows, gpt_reference):
   assert cos(flat(grads), flat(grads32)) > 0.99
 
 
-@pytest.mark.parametrize('spec', [s for s in GPT_SPECS if s != 'none'])
+# One of each kind in the default suite (rule, preset, tags, segmentings with a remainder,
+# stage); every spec with -m slow.
+_GPT_DEFAULT = {'full', 'dots', 'minimal', 'sqrt', 'dots@seg:3', 'stage'}
+
+
+@pytest.mark.parametrize('spec', [s if s in _GPT_DEFAULT else pytest.param(s, marks=pytest.mark.slow)
+                                  for s in GPT_SPECS if s != 'none'])
 def test_every_policy_gives_nones_gradients_bit_for_bit(spec, small_params, windows,
                                                         gpt_reference):
   # Remat recomputes the same bfloat16 operations in the same order, so, as in float32
@@ -140,7 +146,12 @@ def vision_reference():
   return get
 
 
-@pytest.mark.parametrize('name,spec', VISION_SPECS)
+_VISION_DEFAULT = {('vit', 'full'), ('resnet', 'convs'), ('resnet', 'stage')}
+
+
+@pytest.mark.parametrize('name,spec', [c if c in _VISION_DEFAULT else
+                                       pytest.param(*c, marks=pytest.mark.slow)
+                                       for c in VISION_SPECS])
 def test_vision_policies_give_nones_gradients_bit_for_bit(name, spec, vision_reference):
   got, want = _vision_strict(name, spec), vision_reference(name)
   assert _dtypes(got[1]) == {'float32'}
