@@ -40,6 +40,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from models.attention import attention
+from models.layers import DTYPES
 from remat.policies import Policy, get_policy
 from remat.stack import LayerStack
 
@@ -58,7 +59,6 @@ TAGS = {
     'mlpwo': 'MLP down projection, [B, T, D]',
 }
 
-DTYPES = ('float32', 'bfloat16')
 _INIT_STD = 0.02   # HF LlamaConfig.initializer_range
 
 
