@@ -73,6 +73,42 @@ def test_parse_mesh_and_sharding_rule():
   assert array_spec((6, 128), 1) == P()
 
 
+# What the rule gives Llama (docs/sharding.md's table): [N, ...] leaves are layer stacks.
+_LLAMA_SPECS = {
+    "['embed_tokens']['embedding']": ('fsdp',),              # [V, d]: the vocabulary
+    "['layers']['block']['input_layernorm']['scale']": (None, 'fsdp'),
+    "['layers']['block']['post_attention_layernorm']['scale']": (None, 'fsdp'),
+    "['layers']['block']['self_attn']['q_proj']['kernel']": (None, None, 'fsdp'),  # tie: later
+    "['layers']['block']['self_attn']['k_proj']['kernel']": (None, 'fsdp'),  # [N, d, K*Dh]: d
+    "['layers']['block']['self_attn']['v_proj']['kernel']": (None, 'fsdp'),
+    "['layers']['block']['self_attn']['o_proj']['kernel']": (None, None, 'fsdp'),
+    "['layers']['block']['mlp']['gate_proj']['kernel']": (None, None, 'fsdp'),  # [N, d, F]: F
+    "['layers']['block']['mlp']['up_proj']['kernel']": (None, None, 'fsdp'),
+    "['layers']['block']['mlp']['down_proj']['kernel']": (None, 'fsdp'),        # [N, F, d]: F
+    "['norm']['scale']": ('fsdp',),
+}
+
+
+@pytest.mark.parametrize('config, extra', [
+    ('llama-tiny', {}),
+    ('llama-3.1-8b', {"['lm_head']['kernel']": (None, 'fsdp')}),   # untied [d, V]: V
+])
+def test_llama_partition_specs(config, extra):
+  """Every Llama parameter is split along fsdp (8 and 4), on the axis docs/sharding.md names."""
+  import jax
+  from jax.sharding import PartitionSpec as P
+  from configs import load_config
+  from training.mesh import array_spec
+  from training.tasks import Task
+  task = Task(load_config(config).model)
+  model = task.model('none')
+  params = jax.eval_shape(lambda: task.init_variables(model, 0, 8)[0])   # shapes only
+  for fsdp in (8, 4):
+    got = {jax.tree_util.keystr(path): array_spec(tuple(a.shape), fsdp)
+           for path, a in jax.tree_util.tree_flatten_with_path(params)[0]}
+    assert got == {k: P(*v) for k, v in {**_LLAMA_SPECS, **extra}.items()}, (config, fsdp)
+
+
 @pytest.mark.parametrize('mesh, needle', [
     ('tensor=2', "unknown axis 'tensor'; valid: data, fsdp"),
     ('fsdp=0', "size of 'fsdp' must be a positive integer, got '0'"),
@@ -134,6 +170,21 @@ def test_one_device_program_takes_the_whole_state():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize('spec', ['none', 'full', 'sqrt'])
+def test_llama_policies_on_meshes_equal_one_device(spec):
+  """The tiny Llama (tied embedding, grouped-query attention, SwiGLU) as GPT's cases above."""
+  run = _worker('grads', '--config=llama-tiny', spec, 'fsdp=8', 'data=2,fsdp=4')
+  assert f'llama-tiny {spec} data=2,fsdp=4: loss' in run.stdout
+
+
+@pytest.mark.slow
+def test_llama_fsdp_divides_the_state():
+  """Per-device state under fsdp=8 <= 1/8 of one device's + 5%; one device's compiled too."""
+  run = _worker('memory', '--config=llama-tiny')
+  assert 'llama-tiny state bytes per device' in run.stdout and 'ratio 0.125' in run.stdout
+
+
+@pytest.mark.slow
 def test_two_processes_resume_on_other_meshes_equal_one_program(tmp_path):
   """2 processes x 4 devices == 1 x 8; saved on fsdp=8, resumed on fsdp=4 and on one device."""
   data = tmp_path / 'corpus.txt'
@@ -165,19 +216,24 @@ def test_two_processes_resume_on_other_meshes_equal_one_program(tmp_path):
 
 
 # Workers -------------------------------------------------------------------------------------
-def _grads_worker(spec: str, meshes: list[str]):
+# The embedding leaf of each tiny model: [vocab 256, d_model 128], split on the vocabulary axis
+# (the larger one); tied, so its gradient sums the input lookup and the output layer's.
+_EMBEDDING = {'tiny': ('wte', 'embedding'), 'llama-tiny': ('embed_tokens', 'embedding')}
+
+
+def _grads_worker(config: str, spec: str, meshes: list[str]):
   import jax
   from configs import load_config
   from numerics import assert_trees_close
   from training.mesh import Placement
   from training.tasks import Task
   assert jax.device_count() == 8
-  task = Task(load_config('tiny').model)
+  task = Task(load_config(config).model)
   model = task.model(spec)
   # One jitted init, not hundreds of eagerly dispatched ops (the same values).
   params = jax.jit(lambda: task.init_variables(model, 0, 32)[0])()
   batch = np.random.default_rng(0).integers(0, 256, size=(8, 33)).astype(np.int32)
-  rng = jax.random.PRNGKey(1)   # dropout on: its masks must not depend on the sharding
+  rng = jax.random.PRNGKey(1)   # dropout on (GPT): its masks must not depend on the sharding
   loss = lambda p, b: task.loss(model, p, {}, b, rng)[0]
   want_loss, want_grads = jax.jit(jax.value_and_grad(loss))(params, batch)
   for mesh in meshes:
@@ -186,24 +242,24 @@ def _grads_worker(spec: str, meshes: list[str]):
     fn = jax.jit(jax.value_and_grad(loss), in_shardings=(p_sh, b_sh),
                  out_shardings=(place.replicated(), p_sh))
     got_loss, got_grads = fn(place.put(params, p_sh), place.put(batch, b_sh))
-    wte = got_grads['wte']['embedding']
-    # [vocab 256, d_model 128]: split on the vocabulary axis, the larger one.
-    assert wte.sharding.spec == jax.sharding.PartitionSpec('fsdp'), wte.sharding
-    assert len(wte.addressable_shards) == 8 and wte.addressable_shards[0].data.shape == (
+    outer, inner = _EMBEDDING[config]
+    emb = got_grads[outer][inner]
+    assert emb.sharding.spec == jax.sharding.PartitionSpec('fsdp'), emb.sharding
+    assert len(emb.addressable_shards) == 8 and emb.addressable_shards[0].data.shape == (
         256 // place.mesh.shape['fsdp'], 128)
-    assert_trees_close(got_loss, want_loss, err_msg=f'{spec} {mesh} loss: ')
-    assert_trees_close(got_grads, want_grads, err_msg=f'{spec} {mesh} grads: ')
-    print(f'{spec} {mesh}: loss {float(got_loss):.6f} == {float(want_loss):.6f}')
+    assert_trees_close(got_loss, want_loss, err_msg=f'{config} {spec} {mesh} loss: ')
+    assert_trees_close(got_grads, want_grads, err_msg=f'{config} {spec} {mesh} grads: ')
+    print(f'{config} {spec} {mesh}: loss {float(got_loss):.6f} == {float(want_loss):.6f}')
 
 
-def _memory_worker(full: bool):
+def _memory_worker(config: str, full: bool):
   import jax
   from configs import load_config
   from remat.memory import compiled_memory
   from training import steps as st
   from training.mesh import Placement
   from training.tasks import Task
-  task = Task(load_config('tiny').model)
+  task = Task(load_config(config).model)
   model, tx = task.model('full'), st.make_optimizer(1e-3, 100, 10, 0.1, 1.0)
   state, batch = st.abstract_inputs(model, tx, 8, 32)
   batch_bytes = batch.size * batch.dtype.itemsize
@@ -217,18 +273,22 @@ def _memory_worker(full: bool):
     one = compiled_memory(Placement(None).compile_train_step(model, tx, 0, state, batch, True))
     assert one.argument - batch_bytes == one_state, (one.argument, one_state)
   eight_state = eight.argument - batch_bytes // 8
-  print(f'state bytes per device: fsdp=8 {eight_state}, one device {one_state}, '
+  print(f'{config} state bytes per device: fsdp=8 {eight_state}, one device {one_state}, '
         f'ratio {eight_state / one_state:.5f}')
   assert eight_state <= one_state / 8 * 1.05, (eight_state, one_state)
 
 
 if __name__ == '__main__':
   sys.path[:0] = [str(ROOT), str(HERE)]
+  # python tests/test_mesh.py WORKER [--config=NAME] [--memory] [SPEC MESH...]
+  options = [a for a in sys.argv[2:] if a.startswith('--')]
+  positional = [a for a in sys.argv[2:] if not a.startswith('--')]
+  config = next((o.split('=', 1)[1] for o in options if o.startswith('--config=')), 'tiny')
   if sys.argv[1] == 'grads':
-    _grads_worker(sys.argv[2], [a for a in sys.argv[3:] if not a.startswith('--')])
-    if '--memory' in sys.argv:
-      _memory_worker(full=False)
+    _grads_worker(config, positional[0], positional[1:])
+    if '--memory' in options:
+      _memory_worker(config, full=False)
   elif sys.argv[1] == 'memory':
-    _memory_worker(full=True)
+    _memory_worker(config, full=True)
   else:
     raise SystemExit(f'unknown worker {sys.argv[1]}')
