@@ -140,6 +140,39 @@ def test_bad_process_flags_are_one_line_exit_2(argv, needle, capsys, tmp_path):
   assert len(lines) == 1 and needle in lines[0]
 
 
+def test_process_variables_fill_in_for_flags(capsys, tmp_path, monkeypatch):
+  """JAX_NUM_PROCESSES / JAX_PROCESS_ID are train.py's (JAX reads neither); a partial set is one line."""
+  from training import cli
+  monkeypatch.setenv('JAX_COORDINATOR_ADDRESS', 'localhost:1234')
+  monkeypatch.setenv('JAX_NUM_PROCESSES', '2')
+  assert cli.main([f'--out={tmp_path / "never"}']) == 2
+  lines = capsys.readouterr().err.strip().splitlines()
+  assert len(lines) == 1 and 'needs --process-id too' in lines[0]
+  monkeypatch.setenv('JAX_PROCESS_ID', 'one')
+  assert cli.main([f'--out={tmp_path / "never"}']) == 2
+  assert capsys.readouterr().err.strip() == "train.py: error: JAX_PROCESS_ID='one' is not an integer"
+
+
+def test_variables_alone_start_a_run():
+  """The three variables and no flags join a run (a 1-process one here: no second process).
+
+  jax.distributed.initialize() without arguments reads only the address and, outside a cluster
+  JAX detects, raises 'Number of processes must be defined.'; start_processes passes all three.
+  """
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    port = s.getsockname()[1]
+  env = {**_env(1), 'JAX_COORDINATOR_ADDRESS': f'localhost:{port}', 'JAX_NUM_PROCESSES': '1',
+         'JAX_PROCESS_ID': '0'}
+  code = ('import jax; from training.mesh import start_processes; '
+          'assert start_processes(None, None, None); '
+          'print("processes", jax.process_count(), "index", jax.process_index())')
+  run = subprocess.run([sys.executable, '-c', code], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert 'processes 1 index 0' in run.stdout
+
+
 def test_report_bad_mesh_is_one_line_exit_2(capsys):
   from bench import report
   assert report.main(['--mesh', 'fsdp=8,tensor=2']) == 2

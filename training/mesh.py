@@ -227,6 +227,9 @@ class Placement:
 
 
 # Processes -------------------------------------------------------------------------------------
+# JAX_COORDINATOR_ADDRESS is JAX's own (jax.distributed.initialize reads it); JAX 0.10.2 reads no
+# variable for the process count or id (it takes them from arguments or a cluster it detects:
+# SLURM, Open MPI, Kubernetes, Cloud TPU), so these two are train.py's, named alike.
 _ENV = ('JAX_COORDINATOR_ADDRESS', 'JAX_NUM_PROCESSES', 'JAX_PROCESS_ID')
 
 
@@ -246,25 +249,23 @@ def add_flags(parser: argparse.ArgumentParser):
 
 def start_processes(coordinator: str | None, num_processes: int | None,
                     process_id: int | None) -> bool:
-  """Joins a multi-process run when flags or JAX's environment variables ask for one.
+  """Joins a multi-process run when the flags or the variables of :data:`_ENV` ask for one.
 
-  Call before anything touches a JAX backend. Returns whether it initialised.
+  A flag wins over its variable. Any one of the three settings makes a
+  multi-process run, which then needs all three. Call before anything touches a
+  JAX backend. Returns whether it initialised.
 
   Raises:
     MeshError: an incomplete or inconsistent set of settings (one line).
   """
-  given = {'--coordinator': coordinator, '--num-processes': num_processes,
-           '--process-id': process_id}
-  if all(v is None for v in given.values()):
-    if not os.environ.get('JAX_COORDINATOR_ADDRESS'):
-      return False
-    jax.distributed.initialize()   # JAX reads the JAX_* variables itself
-    return True
-  coordinator = coordinator or os.environ.get('JAX_COORDINATOR_ADDRESS')
+  coordinator = coordinator or os.environ.get('JAX_COORDINATOR_ADDRESS') or None
   num_processes = num_processes if num_processes is not None else _env_int('JAX_NUM_PROCESSES')
   process_id = process_id if process_id is not None else _env_int('JAX_PROCESS_ID')
-  missing = [f for f, v in (('--coordinator', coordinator), ('--num-processes', num_processes),
-                            ('--process-id', process_id)) if v is None]
+  given = (('--coordinator', coordinator), ('--num-processes', num_processes),
+           ('--process-id', process_id))
+  if all(v is None for _, v in given):
+    return False
+  missing = [f for f, v in given if v is None]
   if missing:
     raise MeshError(f"a multi-process run needs {', '.join(missing)} too (or "
                     f"{', '.join(_ENV)})")
@@ -274,6 +275,8 @@ def start_processes(coordinator: str | None, num_processes: int | None,
   if num_processes < 1 or not 0 <= process_id < num_processes:
     raise MeshError(f'--process-id {process_id} must be in 0..{num_processes - 1} '
                     f'(--num-processes {num_processes})')
+  # Explicit arguments: jax.distributed.initialize() alone would read only the address and
+  # then fail ('Number of processes must be defined.') outside a cluster it detects.
   jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                              process_id=process_id)
   return True
