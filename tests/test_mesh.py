@@ -110,7 +110,9 @@ def test_llama_partition_specs(config, extra):
 
 
 @pytest.mark.parametrize('mesh, needle', [
-    ('tensor=2', "unknown axis 'tensor'; valid: data, fsdp"),
+    ('tensor=2', "axis 'tensor' (tensor parallelism) is not supported; valid: data, fsdp "
+                 "(docs/sharding.md)"),
+    ('pipe=2', "unknown axis 'pipe'; valid: data, fsdp"),
     ('fsdp=0', "size of 'fsdp' must be a positive integer, got '0'"),
     ('fsdp=-2', "size of 'fsdp' must be a positive integer, got '-2'"),
     ('fsdp=two', "size of 'fsdp' must be a positive integer, got 'two'"),
@@ -177,8 +179,8 @@ def test_report_bad_mesh_is_one_line_exit_2(capsys):
   from bench import report
   assert report.main(['--mesh', 'fsdp=8,tensor=2']) == 2
   lines = capsys.readouterr().err.strip().splitlines()
-  assert lines == ["bench.report: error: --mesh 'fsdp=8,tensor=2': unknown axis 'tensor'; "
-                   'valid: data, fsdp']
+  assert lines == ["bench.report: error: --mesh 'fsdp=8,tensor=2': axis 'tensor' (tensor "
+                   "parallelism) is not supported; valid: data, fsdp (docs/sharding.md)"]
 
 
 # 8 simulated devices, in a subprocess ----------------------------------------------------------

@@ -60,6 +60,9 @@ def parse_mesh(text: str) -> dict[str, int]:
     if not eq or not name:
       raise MeshError(f"--mesh '{text}': expected AXIS=N[,AXIS=N...] with axes "
                       f"{', '.join(AXES)}, e.g. data=2,fsdp=4")
+    if name == 'tensor':   # a known request, so not "unknown": say it is not built
+      raise MeshError(f"--mesh '{text}': axis 'tensor' (tensor parallelism) is not supported; "
+                      f"valid: {', '.join(AXES)} (docs/sharding.md)")
     if name not in AXES:
       raise MeshError(f"--mesh '{text}': unknown axis '{name}'; valid: {', '.join(AXES)}")
     if name in sizes:
