@@ -43,9 +43,10 @@ def _worker(*args: str, devices: int = 8, timeout: int = 900):
   return run
 
 
-def _train(*args: str, devices: int, **popen):
-  return subprocess.Popen([sys.executable, 'train.py', *args], cwd=ROOT, env=_env(devices),
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+def _train(*args: str, devices: int, env: dict | None = None, **popen):
+  return subprocess.Popen([sys.executable, 'train.py', *args], cwd=ROOT,
+                          env={**_env(devices), **(env or {})}, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, **popen)
 
 
 def _finish(proc, timeout: int = 900):
@@ -143,7 +144,7 @@ def test_bad_process_flags_are_one_line_exit_2(argv, needle, capsys, tmp_path):
 
 
 def test_process_variables_fill_in_for_flags(capsys, tmp_path, monkeypatch):
-  """JAX_NUM_PROCESSES / JAX_PROCESS_ID are train.py's (JAX reads neither); a partial set is one line."""
+  """A partial set of the JAX_* process variables is one line, as of the flags."""
   from training import cli
   monkeypatch.setenv('JAX_COORDINATOR_ADDRESS', 'localhost:1234')
   monkeypatch.setenv('JAX_NUM_PROCESSES', '2')
@@ -152,7 +153,8 @@ def test_process_variables_fill_in_for_flags(capsys, tmp_path, monkeypatch):
   assert len(lines) == 1 and 'needs --process-id too' in lines[0]
   monkeypatch.setenv('JAX_PROCESS_ID', 'one')
   assert cli.main([f'--out={tmp_path / "never"}']) == 2
-  assert capsys.readouterr().err.strip() == "train.py: error: JAX_PROCESS_ID='one' is not an integer"
+  lines = capsys.readouterr().err.strip().splitlines()
+  assert lines == ["train.py: error: JAX_PROCESS_ID='one' is not an integer"]
 
 
 def test_variables_alone_start_a_run():
@@ -221,7 +223,10 @@ def test_llama_fsdp_divides_the_state():
 
 @pytest.mark.slow
 def test_two_processes_resume_on_other_meshes_equal_one_program(tmp_path):
-  """2 processes x 4 devices == 1 x 8; saved on fsdp=8, resumed on fsdp=4 and on one device."""
+  """2 processes x 4 devices == 1 x 8; saved on fsdp=8, resumed on fsdp=4 and on one device.
+
+  Process 0 joins by flags, process 1 by the JAX_* variables alone.
+  """
   data = tmp_path / 'corpus.txt'
   data.write_text(''.join(f'def f{i}(x):\n    return x * {i} + {i % 7}\n' for i in range(400)))
   ref = tmp_path / 'ref'
@@ -232,9 +237,13 @@ def test_two_processes_resume_on_other_meshes_equal_one_program(tmp_path):
     s.bind(('localhost', 0))
     port = s.getsockname()[1]
   multi = tmp_path / 'multi'
+  # Process 0 joins by flags, process 1 by the variables alone: both routes into one run.
   procs = [_train(*RUN, f'--data={data}', '--mesh=fsdp=8', f'--out={multi}',
-                  f'--coordinator=localhost:{port}', '--num-processes=2', f'--process-id={i}',
-                  devices=4) for i in range(2)]
+                  f'--coordinator=localhost:{port}', '--num-processes=2', '--process-id=0',
+                  devices=4),
+           _train(*RUN, f'--data={data}', '--mesh=fsdp=8', f'--out={multi}', devices=4,
+                  env={'JAX_COORDINATOR_ADDRESS': f'localhost:{port}', 'JAX_NUM_PROCESSES': '2',
+                       'JAX_PROCESS_ID': '1'})]
   outs = [_finish(p) for p in procs]
   assert 'done: step 4' in outs[0] and 'done' not in outs[1]  # process 0 speaks for the run
   np.testing.assert_allclose(_losses(multi), want, rtol=1e-5, atol=1e-5)
