@@ -538,7 +538,10 @@ def _cross_entropy_fwd(h, emb, labels, chunk):
 
 def _cross_entropy_bwd(chunk, res, g):
   d_h, d_emb = res
-  return g * d_h, g * d_emb, None
+  # The float32 cotangent would promote a bfloat16 residual: the cotangents must keep their
+  # primals' dtypes, else the transpose of the first bfloat16 op above (Llama's final RMSNorm
+  # scaling) fails on mixed operands.
+  return (g * d_h).astype(d_h.dtype), (g * d_emb).astype(d_emb.dtype), None
 
 
 chunked_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
