@@ -21,7 +21,7 @@ from bench import zoo
 from remat import auto
 from remat.measuring import step_flops
 from remat.memory import format_bytes
-from remat.policies import PRESETS, PolicyError, get_policy, sqrt_segment_size
+from remat.policies import PRESETS, PolicyError, get_policy, preset_tags, sqrt_segment_size
 from remat.targets import TargetError, get_target, prefer_cpu_without_gpu
 
 PROG = 'bench.auto'
@@ -30,8 +30,8 @@ PROG = 'bench.auto'
 def stock_specs(num_layers: int, tags: set[str], gpu: bool) -> list[str]:
   """The stock policies: rules, presets the model can take, segmentings and RULE@seg."""
   specs = ['none', 'full', 'dots', 'dots_no_batch']
-  specs += [n for n, (kind, t, _) in PRESETS.items()
-            if set(t) <= tags and (kind == 'names' or gpu)]
+  specs += [n for n, (kind, _, _) in PRESETS.items()
+            if preset_tags(n, tags) is not None and (kind == 'names' or gpu)]
   ks = [k for k in range(2, num_layers + 1) if num_layers % k == 0]
   sq = sqrt_segment_size(num_layers)
   for k in ks:

@@ -34,11 +34,8 @@ _TRANSFORMER_POLICIES = ('none', 'full', 'dots', 'dots_no_batch', 'sqrt', 'full@
                          'save_qkv_proj', 'save_dot_except_mlp', 'qkv_proj_offloaded')
 
 
-# Llama's gated MLP emits mlpwi_0/mlpwi_1 (MaxText's names) where GPT-2 emits mlpwi, so the
-# presets that list mlpwi do not apply; the names: row is MaxText's minimal on Llama's tags.
-_LLAMA_POLICIES = ('none', 'full', 'dots', 'dots_no_batch', 'sqrt', 'full@sqrt',
-                   'names:query_proj,key_proj,value_proj,out_proj,mlpwi_0,mlpwi_1,mlpwo',
-                   'save_qkv_proj', 'save_dot_except_mlp', 'qkv_proj_offloaded')
+# The presets apply to Llama's gated MLP too (its mlpwi_0/mlpwi_1 stand for GPT-2's mlpwi).
+_LLAMA_POLICIES = _TRANSFORMER_POLICIES
 
 
 def _same_width_at_depth(cfg, n: int):

@@ -409,6 +409,21 @@ def _put(x, i, value):
   return jax.lax.dynamic_update_index_in_dim(x, value.astype(x.dtype), i, 0)
 
 
+def _pairs(pairs: np.ndarray, data):
+  """The block pairs [P, 2] to scan over, tied to ``data`` (a traced input) by an optimization barrier.
+
+  Everything a pair's step derives from the pair alone (the indices, the causal
+  and padding mask) is constant across a model's layer scan. Without the tie,
+  JAX's scan partial evaluation hoists that part out of the layer loop as a
+  loop-invariant residual: a second scan that stacks every pair's mask,
+  [P, B, Hkv, G, bq, bk] booleans, quadratic in T (17 GB for Llama-3.2-1B at
+  T = 32768, P = 8256). Tied to the layer's data, the mask is computed in the
+  step where it is used.
+  """
+  pairs, _ = jax.lax.optimization_barrier((jnp.asarray(pairs), data))
+  return pairs
+
+
 def _block_scores(qb, kb, i, j, spec: _Blocks):
   """Scaled scores [B, Hkv, G, bq, bk] (float32) of one block pair and its mask of valid keys."""
   s = _einsum('bngqd,bnkd->bngqk', qb, kb, preferred_element_type=jnp.float32)
@@ -470,7 +485,7 @@ def _blockwise_forward(q, k, v, key, spec: _Blocks):
     acc_new = alpha[..., None] * acc_old + pv
     return (_put(m_all, i, m_new), _put(l_all, i, l_new), _put(acc_all, i, acc_new)), None
 
-  (m, l, acc), _ = jax.lax.scan(step, init, jnp.asarray(spec.pairs_by_query))
+  (m, l, acc), _ = jax.lax.scan(step, init, _pairs(spec.pairs_by_query, qb))
   out = _q_unblock(acc / l[..., None], spec.t).astype(q.dtype)
   lse = _row_unblock(m + jnp.log(l), spec.t)
   b, n, g, t = lse.shape
@@ -535,7 +550,7 @@ def _blockwise_bwd(spec, res, g):
     return (_put(dq_all, i, _take(dq_all, i) + dq_i), _put(dk_all, j, _take(dk_all, j) + dk_j),
             _put(dv_all, j, _take(dv_all, j) + dv_j)), None
 
-  (dq, dk, dv), _ = jax.lax.scan(step, init, jnp.asarray(spec.pairs_by_key))
+  (dq, dk, dv), _ = jax.lax.scan(step, init, _pairs(spec.pairs_by_key, gb))
   return (_q_unblock(dq, spec.t).astype(q.dtype), _k_unblock(dk, spec.t).astype(k.dtype),
           _k_unblock(dv, spec.t).astype(v.dtype), np.zeros(key.shape, jax.dtypes.float0))
 

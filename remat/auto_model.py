@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from remat.policies import PRESETS, sqrt_segment_size
+from remat.policies import PRESETS, preset_tags, sqrt_segment_size
 
 # More tags than this: singletons and all-but-one subsets instead of all 2^T.
 MAX_TAGS_ALL_SUBSETS = 8
@@ -109,8 +109,9 @@ def layer_candidates(cal: Calibration, tags: set[str], offload: bool) -> list[Ca
   for rule, res in cal.rule_res.items():   # dots, dots_no_batch: their matmuls are saved
     out.append(Candidate(rule, 'layer', cal.layer_est(res), cal.flops_none, False, True))
   preset_of = {}
-  for name, (kind, ptags, _) in PRESETS.items():
-    if set(ptags) <= tags and (kind == 'names' or offload):
+  for name, (kind, _, _) in PRESETS.items():
+    ptags = preset_tags(name, tags)   # on this model: the MLP-input alternative it emits
+    if ptags is not None and (kind == 'names' or offload):
       preset_of.setdefault((kind, frozenset(ptags)), name)
   kinds = ('names', 'offload') if offload else ('names',)
   # A tag that is no residual when every tag is saved and saves no FLOPs alone (a value the

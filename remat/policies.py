@@ -76,13 +76,23 @@ _RULES: dict[str, tuple[str, Callable | None]] = {
 
 _QKV = ('query_proj', 'key_proj', 'value_proj')
 
+# Tags that stand for one value in either of two model forms: a preset naming the group saves
+# whichever alternative the block emits. The MLP input is GPT-2's single 'mlpwi' (no gated MLP)
+# or MaxText's gated 'mlpwi_0' (gate) and 'mlpwi_1' (up), as a Llama block emits them.
+TAG_ALTERNATIVES: tuple[tuple[tuple[str, ...], ...], ...] = (
+    (('mlpwi',), ('mlpwi_0', 'mlpwi_1')),
+)
+_MLPWI = tuple(t for alt in TAG_ALTERNATIVES[0] for t in alt)
+_ALTERNATIVE_TAGS = frozenset(t for group in TAG_ALTERNATIVES for alt in group for t in alt)
+
 # MaxText presets over our tag vocabulary: name -> (kind, tags, description).
-# MaxText's fused 'qkv_proj' maps to our separate query/key/value tags and its
-# gated 'mlpwi_0'/'mlpwi_1' to our single 'mlpwi' (GPT-2 has no gated MLP).
+# MaxText's fused 'qkv_proj' maps to our separate query/key/value tags; the MLP input
+# is the group 'mlpwi' | 'mlpwi_0' + 'mlpwi_1' (TAG_ALTERNATIVES), so the presets
+# apply to GPT-2's plain MLP and to a gated (SwiGLU) one.
 PRESETS: dict[str, tuple[str, tuple[str, ...], str]] = {
-    'minimal': ('names', _QKV + ('out_proj', 'mlpwi', 'mlpwo'),
+    'minimal': ('names', _QKV + ('out_proj',) + _MLPWI + ('mlpwo',),
                 'MaxText minimal: save every weight matmul output'),
-    'minimal_with_context': ('names', _QKV + ('context', 'out_proj', 'mlpwi', 'mlpwo'),
+    'minimal_with_context': ('names', _QKV + ('context', 'out_proj') + _MLPWI + ('mlpwo',),
                              'MaxText minimal_with_context: minimal + attention context'),
     'save_dot_with_context_except_mlp': ('names', _QKV + ('context', 'out_proj'),
                                          'MaxText: save attention matmuls and context, recompute the MLP'),
@@ -94,7 +104,7 @@ PRESETS: dict[str, tuple[str, tuple[str, ...], str]] = {
     'save_out_proj': ('names', ('out_proj',), 'MaxText: save only the attention output projection'),
     'qkv_proj_offloaded': ('offload', _QKV,
                            'MaxText: offload q/k/v projections to pinned host memory'),
-    'minimal_offloaded': ('offload', _QKV + ('out_proj', 'mlpwi', 'mlpwo'),
+    'minimal_offloaded': ('offload', _QKV + ('out_proj',) + _MLPWI + ('mlpwo',),
                           'MaxText: offload every weight matmul output to pinned host memory'),
     # Convnet presets over the ResNet tags (models/resnet.py).
     'save_conv_narrow': ('names', ('conv1', 'conv2'),
@@ -103,6 +113,41 @@ PRESETS: dict[str, tuple[str, tuple[str, ...], str]] = {
 }
 
 _TAG_RULES = ('names', 'offload')
+
+
+def missing_tags(tags: Iterable[str], model_tags: Iterable[str], *,
+                 alternatives: bool = False) -> list[str]:
+  """The tags of a names:/offload: list that a model does not emit, in order.
+
+  Args:
+    tags: the tags a rule saves or offloads.
+    model_tags: the tags the model emits.
+    alternatives: True for a preset: a TAG_ALTERNATIVES group counts as present
+      when one of its alternatives is emitted whole (a missing group is listed as
+      'mlpwi or mlpwi_0+mlpwi_1'). False for a user's ``names:`` list, where every
+      tag must be emitted, so a typo fails.
+  """
+  known = set(model_tags)
+  if not alternatives:
+    return [t for t in tags if t not in known]
+  missing = [t for t in tags if t not in known and t not in _ALTERNATIVE_TAGS]
+  for group in TAG_ALTERNATIVES:
+    if any(t in tags for alt in group for t in alt) and not any(set(a) <= known for a in group):
+      missing.append(' or '.join('+'.join(alt) for alt in group))
+  return missing
+
+
+def preset_tags(name: str, model_tags: Iterable[str]) -> tuple[str, ...] | None:
+  """The tags preset ``name`` saves (or offloads) on a model emitting ``model_tags``.
+
+  Returns None when the preset does not apply to the model (a tag it needs is not
+  emitted); else its tags less the alternatives the model does not emit.
+  """
+  ptags = PRESETS[name][1]
+  known = set(model_tags)
+  if missing_tags(ptags, known, alternatives=True):
+    return None
+  return tuple(t for t in ptags if t in known)
 
 
 # A divisor K of N within this factor of sqrt(N) costs at most 8% more in N/K + K (checkpoints
@@ -141,6 +186,10 @@ class Policy:
     segment: None (per layer), 'sqrt', 'stage' (the whole stack), or a fixed
       segment size K.
     description: one line for humans.
+    parts: a mix's (layer count or None, policy) runs, else empty.
+    preset: the PRESETS name the rule came from, else ''. A preset's tags may
+      hold TAG_ALTERNATIVES of which the model emits one; a tag not emitted is
+      simply not saved.
   """
 
   spec: str
@@ -149,6 +198,7 @@ class Policy:
   segment: int | str | None = None
   description: str = ''
   parts: tuple[tuple[int | None, 'Policy'], ...] = ()
+  preset: str = ''
 
   @property
   def remat_layers(self) -> bool:
@@ -270,7 +320,7 @@ class Policy:
           f'valid sizes for this {num_layers}-layer stack are 1..{num_layers}')
     if tags is not None and self.rule in _TAG_RULES:
       known = set(tags)
-      unknown = [t for t in self.tags if t not in known]
+      unknown = missing_tags(self.tags, known, alternatives=bool(self.preset))
       if unknown:
         emits = ', '.join(sorted(known)) or 'no tags (tag values with checkpoint_name)'
         raise PolicyError(
@@ -452,6 +502,7 @@ def _parse_stacked(text: str, spec: str | None = None) -> Policy:
   rule, tag_tuple, desc = _parse_rule(rule_text.strip(), whole)
   canon_rule = rule_text.strip() if rule_text.strip() in PRESETS else (
       f'{rule}:{",".join(tag_tuple)}' if rule in _TAG_RULES else rule)
+  preset = rule_text.strip() if rule_text.strip() in PRESETS else ''
   if segment is None:
     canon = canon_rule
   else:
@@ -462,7 +513,7 @@ def _parse_stacked(text: str, spec: str | None = None) -> Policy:
                  segment, f'segments of {segment} layers')
     desc = (f'checkpointed {where} (segment inputs saved)' if rule == 'none'
             else f'{desc}; per layer, inside checkpointed {where}')
-  return Policy(canon, rule, tag_tuple, segment, desc)
+  return Policy(canon, rule, tag_tuple, segment, desc, preset=preset)
 
 
 def policy_names() -> list[str]:
@@ -499,10 +550,10 @@ def registered_specs(sample_tags: Sequence[str] = _QKV,
 
   Args:
     sample_tags: tags for the sample ``names:``/``offload:`` specs.
-    model_tags: if given, only presets whose tags are all among them (a
-      model's emitted tags) are included.
+    model_tags: if given, only presets that apply to a model emitting them
+      (:func:`preset_tags`) are included.
   """
   known = None if model_tags is None else set(model_tags)
-  presets = [n for n, (_, tags, _) in PRESETS.items() if known is None or set(tags) <= known]
+  presets = [n for n in PRESETS if known is None or preset_tags(n, known) is not None]
   return (list(_RULES) + [f'names:{",".join(sample_tags)}', f'offload:{",".join(sample_tags)}']
           + presets)

@@ -178,6 +178,19 @@ def test_blockwise_memory_is_linear_in_t():
   assert block[2048] < dense[2048] / 4, (block, dense)
 
 
+def test_blockwise_in_a_layer_scan_stacks_nothing_per_block_pair():
+  # In a layer scan, JAX hoisted what a pair's step derives from the pair alone (the causal
+  # mask) out of the loop as a residual stacked over all P pairs: [P, ..., bq, bk], quadratic
+  # in T (17 GB for Llama-3.2-1B at T = 32768). T = 64 in blocks of 8: P = 36 causal pairs.
+  import re
+  layer = lambda x: _blockwise(True, 0.0, 8, 8)(x, x[:, :, :2], x[:, :, :2])
+  loss = lambda x: jnp.sum(jax.lax.scan(lambda c, _: (layer(c), None), x, None, length=2)[0])
+  text = str(jax.make_jaxpr(jax.grad(loss))(_normal(1, 64, 4, 8)))
+  assert attn._Blocks(64, 8, 8, True, 0.0).pairs_by_query.shape == (36, 2)
+  per_pair = set(re.findall(r'\w+\[36,[0-9,]*\]', text)) - {'i32[36,2]'}   # the pair list itself
+  assert not per_pair, per_pair
+
+
 CFG = GPTConfig(vocab_size=64, max_len=24, num_layers=2, num_heads=4, d_model=32, dropout=0.1)
 
 

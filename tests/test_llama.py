@@ -83,12 +83,35 @@ def test_emits_exactly_its_tags():
   assert Task(CFG).emitted_tags(T) == set(TAGS)
 
 
-def test_presets_naming_gpt_mlpwi_fail_in_one_line():
-  """MaxText's minimal lists the ungated mlpwi, which a gated MLP does not emit."""
+@pytest.mark.parametrize('preset', ['minimal', 'minimal_with_context'])
+def test_maxtext_minimal_saves_the_gated_mlp_inputs(preset):
+  """MaxText's minimal names the MLP input; on a gated MLP that is mlpwi_0 and mlpwi_1."""
+  from remat.policies import PRESETS, get_policy, preset_tags
+  from remat.residuals import by_tag, saved_residuals
+  tags = Task(CFG).emitted_tags(T)
+  assert get_policy(preset, num_layers=CFG.num_layers, tags=tags).spec == preset
+  explicit = 'names:' + ','.join(preset_tags(preset, tags))
+  assert 'mlpwi_0,mlpwi_1' in explicit and 'mlpwi,' not in explicit
+  task = Task(CFG)
+
+  def saved(spec):
+    loss = lambda p, w: task.loss(task.model(spec), p, {}, w)[0]
+    return by_tag(saved_residuals(loss, _params(), _windows()))
+  got = saved(preset)
+  # The gate and up projections are kept: SiLU's and the product's backward read them.
+  b, f = _windows().shape[0] * T, CFG.mlp_dim
+  assert got['mlpwi_0'] == got['mlpwi_1'] == CFG.num_layers * b * f * 4
+  assert set(got) - {'(untagged)'} <= set(PRESETS[preset][1]) and 'mlp_hidden' not in got
+  assert got == saved(explicit)   # the preset is exactly its tags on this model
+  assert ('context' in got) == (preset == 'minimal_with_context')
+
+
+def test_names_typos_still_fail_closed():
+  """Only presets read the MLP-input group; a names: list must name emitted tags."""
   from remat.policies import PolicyError, get_policy
-  with pytest.raises(PolicyError, match="'minimal': unknown tag.*mlpwi.*this model emits") as info:
-    get_policy('minimal', num_layers=CFG.num_layers, tags=Task(CFG).emitted_tags(T))
-  assert '\n' not in str(info.value)
+  with pytest.raises(PolicyError, match="'names:mlpwi': unknown tag.*mlpwi; this model emits") as e:
+    get_policy('names:mlpwi', num_layers=CFG.num_layers, tags=Task(CFG).emitted_tags(T))
+  assert '\n' not in str(e.value)
 
 
 def test_gqa_equals_multi_head_with_repeated_key_value_heads():
@@ -210,6 +233,18 @@ def test_chunked_loss_equals_the_plain_loss():
 
 
 BF16 = dataclasses.replace(CFG, dtype='bfloat16')
+
+
+@pytest.mark.slow   # two compiles of a bf16 train loss: over a minute on the shared 2-core VM
+def test_chunked_loss_in_bfloat16_equals_the_plain_loss():
+  """The 128k-vocab path in bfloat16: a float32 cotangent once reached the bf16 final norm."""
+  plain = _loss_and_grads(dataclasses.replace(BF16, loss_chunk=0), 'none')
+  loss, grads = _loss_and_grads(dataclasses.replace(BF16, loss_chunk=5), 'none')
+  assert all(g.dtype == jnp.float32 for g in jax.tree_util.tree_leaves(grads))
+  assert_trees_close(loss, plain[0])
+  # As test_precision's GPT case: the chunked dL/dh is rounded to bfloat16 where the plain
+  # path's is, in another summation order; a bfloat16 ulp (2^-8 of the value) on some elements.
+  assert_trees_close(grads, plain[1], rtol=2 ** -7)
 
 
 def test_bfloat16_runs_with_float32_weights_and_gradients():

@@ -6,7 +6,7 @@ import pytest
 from models.gpt import TAGS
 from models.resnet import TAGS as RESNET_TAGS
 from remat import PRESETS, Policy, PolicyError, get_policy, list_policies
-from remat.policies import conv_saveable, registered_specs
+from remat.policies import conv_saveable, preset_tags, registered_specs
 
 cp = jax.checkpoint_policies
 
@@ -81,9 +81,17 @@ def test_sqrt_segment_size(n, k):
 
 
 def test_presets_use_model_tags():
+  from models.llama import TAGS as LLAMA_TAGS
   for name, (kind, tags, _) in PRESETS.items():
     assert kind in ('names', 'offload')
-    assert set(tags) <= set(TAGS) or set(tags) <= set(RESNET_TAGS), name
+    assert any(preset_tags(name, t) is not None for t in (TAGS, RESNET_TAGS, LLAMA_TAGS)), name
+  # The MLP input is GPT-2's mlpwi or a gated MLP's mlpwi_0 + mlpwi_1, whichever is emitted.
+  for name in ('minimal', 'minimal_with_context', 'minimal_offloaded'):
+    assert 'mlpwi' in preset_tags(name, TAGS) and 'mlpwi_0' not in preset_tags(name, TAGS)
+    llama = preset_tags(name, LLAMA_TAGS)
+    assert {'mlpwi_0', 'mlpwi_1'} <= set(llama) and 'mlpwi' not in llama
+    assert preset_tags(name, set(LLAMA_TAGS) - {'mlpwi_1'}) is None   # half a group is none
+    assert name in registered_specs(model_tags=LLAMA_TAGS)
   assert PRESETS['save_dot_except_mlp'][1] == ('query_proj', 'key_proj', 'value_proj', 'out_proj')
   assert 'save_conv_narrow' not in registered_specs(model_tags=TAGS)
   assert 'minimal' not in registered_specs(model_tags=RESNET_TAGS)
