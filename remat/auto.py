@@ -36,6 +36,7 @@ import jax
 
 from remat import auto_cache
 from remat.auto_budget import Budget, BudgetError, parse_budget
+from remat.flops import _walk
 from remat.auto_model import Calibration, Candidate, layer_candidates, stack_candidates
 from remat.measuring import _abstract, _parts, step_flops, step_residuals
 from remat.memory import MemoryStats, compiled_memory, format_bytes
@@ -129,6 +130,12 @@ def plan(program, example_args, target: Target, shardings: tuple | None = None) 
 
 def _lower(program, example_args, target: Target, shardings: tuple | None):
   """(lowered program, compiler options): the part of a plan that needs the GIL."""
+  traced, options = _trace(program, example_args, target, shardings)
+  return traced.lower(), options
+
+
+def _trace(program, example_args, target: Target, shardings: tuple | None):
+  """(traced step, compiler options): one trace serves the FLOP count and the lowering."""
   fn, donate, _ = _parts(program, example_args)
   options = dict(target.compiler_options)
   if target.sharding is None and jax.default_backend() == 'cpu':
@@ -140,7 +147,7 @@ def _lower(program, example_args, target: Target, shardings: tuple | None):
     jitted = jax.jit(fn, in_shardings=shardings[0], out_shardings=shardings[1],
                      donate_argnums=donate)
     args = _abstract(example_args)
-  return jitted.lower(*args), options
+  return jitted.trace(*args), options
 
 
 def mesh_description(shardings: tuple | None) -> dict | None:
@@ -165,13 +172,15 @@ class _Search:
     self.shardings = shardings
     self.plans: dict[str, MemoryStats] = {}
     self.pending: dict[str, concurrent.futures.Future] = {}
-    # spec -> (lowering s, (compile wall s, compile thread CPU s))
-    self.seconds: dict[str, tuple[float, tuple[float, float]]] = {}
+    self.seconds: dict[str, tuple[float, float]] = {}   # spec -> (lowering s, compile s)
     self.flop_counts: dict[str, int] = {}
     self.order: list[str] = []
     self.traces = 0
     self.trace_seconds = 0.0
+    self.residual_traces = 0
     self.pool = concurrent.futures.ThreadPoolExecutor(max(1, parallel))
+    self.traced: dict[str, Any] = {}   # spec -> (traced step, options), until it is lowered
+    self.cpu_start = time.process_time()
 
   def program(self, spec: str):
     return self.build(get_policy(spec, num_layers=self.n))
@@ -181,17 +190,17 @@ class _Search:
     if spec in self.plans or spec in self.pending:
       return
     t = time.perf_counter()
-    lowered, options = _lower(self.program(spec), self.args, self.target, self.shardings)
+    traced, options = self._traced(spec)
+    lowered = traced.lower()
+    del self.traced[spec]
     lower_s = time.perf_counter() - t
 
     def compile_():
-      # Wall time and this thread's CPU time: on a loaded machine the CPU time is the
-      # figure that says what the compile costs.
-      t, c = time.perf_counter(), time.thread_time()
+      t = time.perf_counter()
       mem = compiled_memory(lowered.compile(compiler_options=options or None), self.target.name)
-      return mem, (time.perf_counter() - t, time.thread_time() - c)
+      return mem, time.perf_counter() - t
     self.pending[spec] = self.pool.submit(compile_)
-    self.seconds[spec] = (lower_s, (0.0, 0.0))
+    self.seconds[spec] = (lower_s, 0.0)
     self.order.append(spec)
 
   def plan(self, spec: str) -> MemoryStats:
@@ -207,11 +216,20 @@ class _Search:
     for spec in list(self.pending):
       self.plan(spec)
 
+  def _traced(self, spec: str):
+    """The step of ``spec`` traced once: its jaxpr is counted, then it is lowered."""
+    if spec not in self.traced:
+      t = time.perf_counter()
+      self.traced[spec] = _trace(self.program(spec), self.args, self.target, self.shardings)
+      self.trace_seconds += time.perf_counter() - t
+    return self.traced[spec]
+
   def flops(self, spec: str) -> int:
     if spec not in self.flop_counts:
-      t = time.perf_counter()
-      self.flop_counts[spec] = step_flops(self.program(spec), *self.args).flops
-      self.trace_seconds += time.perf_counter() - t
+      if spec in self.plans or spec in self.pending:   # lowered already: count it afresh
+        self.flop_counts[spec] = step_flops(self.program(spec), *self.args).flops
+      else:
+        self.flop_counts[spec] = _walk(self._traced(spec)[0].jaxpr.jaxpr)[0]
       self.traces += 1
     return self.flop_counts[spec]
 
@@ -219,12 +237,14 @@ class _Search:
     """Where the search's time went: compiles (lower + XLA) and traces, one line."""
     comp = [self.seconds[s][1] for s in self.order if s in self.plans]
     low = sum(self.seconds[s][0] for s in self.order)
-    each = ', '.join(f'{w:.0f}/{c:.0f}' for w, c in comp)
+    each = ', '.join(f'{c:.0f}' for c in comp)
     return (f'{len(comp)} plans compiled, up to {self.pool._max_workers} at once (XLA compile '
-            f'wall/CPU s each: {each}; lowering {low:.0f} s in all); {len(self.flop_counts)} '
-            f'FLOP counts + residual traces {self.trace_seconds:.0f} s')
+            f's each: {each}; lowering {low:.0f} s in all); traces {self.trace_seconds:.0f} s '
+            f'({len(self.flop_counts)} FLOP counts, {self.residual_traces} residual traces); '
+            f'{time.process_time() - self.cpu_start:.0f} CPU s in all')
 
   def residuals(self, spec: str):
+    self.residual_traces += 1
     t = time.perf_counter()
     out = step_residuals(self.program(spec), *self.args)
     self.trace_seconds += time.perf_counter() - t
@@ -235,8 +255,7 @@ class _Search:
     return tuple({'spec': s, 'peak': self.plans[s].peak, 'temp': self.plans[s].temp,
                   'flops': self.flops(s), 'fits': self.plans[s].peak <= budget_bytes,
                   'lower_s': round(self.seconds[s][0], 2),
-                  'compile_s': round(self.seconds[s][1][0], 2),
-                  'compile_cpu_s': round(self.seconds[s][1][1], 2)}
+                  'compile_s': round(self.seconds[s][1], 2)}
                  for s in self.order)
 
   def calibrate(self) -> tuple[Calibration, set[str]]:
@@ -273,9 +292,10 @@ class _Search:
     """Returns (chosen spec, budget bytes, exhausted); raises AutoError if nothing fits."""
     say = lambda s: self.log(f'auto: {s}')
     # Both anchors compile while the calibration traces run; full is needed unless none fits.
+    self.flops('none')   # one trace each: counted, then lowered
+    self.flops('full')
     self.submit('none')
     self.submit('full')
-    self.flops('none')
     cal, tags = self.calibrate()
     none, full = self.plan('none'), self.plan('full')
     nbytes = budget.resolve(none.peak, self.target.device_memory, self.target.name)
@@ -295,8 +315,10 @@ class _Search:
     best = ('full', cal.flops_full) if full.peak <= nbytes else None
     offset: dict[str, float] = {}
     over: list[frozenset] = []   # tag sets of names: rules whose plans were over the budget
-    heap = [(c.flops, c.est_peak, not c.stock, c.spec, c) for c in cands
-            if c.spec not in ('none', 'full')]
+    # Ties in FLOPs go to per-layer rules first: the model is closest on them, and a mix or
+    # segmenting pays for stack bookkeeping (a copy of the stack's gradient) that a rule does not.
+    order = lambda c: (c.flops, c.kind != 'layer', c.est_peak, not c.stock, c.spec, c)
+    heap = [order(c) for c in cands if c.spec not in ('none', 'full')]
     heapq.heapify(heap)
 
     def next_candidate() -> Candidate | None:
@@ -314,7 +336,10 @@ class _Search:
           c.flops = cal.flops_none + c.extra + sum(
               w * (self.flops(dep) - cal.flops_none) for w, dep in c.deps)
           c.exact = True
-          heapq.heappush(heap, (c.flops, c.est_peak, not c.stock, c.spec, c))
+          heapq.heappush(heap, order(c))
+          continue
+        # A mix jxA+B that recomputes no less than A alone is beaten by A (it keeps less).
+        if c.kind == 'mix' and c.exact and round(c.flops) >= self.flops(c.deps[0][1]):
           continue
         return c
       return None

@@ -160,6 +160,9 @@ def test_parallel_compiles_give_the_same_answer(mlp_stock):
   assert (one.spec, one.memory, one.flops) == (two.spec, two.memory, two.flops)
   assert [c['spec'] for c in one.compiled][:2] == ['none', 'full']
   assert all(c['compile_s'] > 0 for c in two.compiled) and 'plans compiled' in two.profile
+  # The FLOPs come from the trace that is lowered: the same count as remat.measure's.
+  args = user_mlp.example_args()
+  assert two.flops == step_flops(user_mlp.build(get_policy(two.spec)), *args).flops
 
 
 def _mlp_at(batch):
@@ -251,8 +254,8 @@ def test_train_auto_plans_the_mesh_step(tmp_path, text_file):
 
   def run(name, *mesh):
     out = subprocess.run(
-        [sys.executable, 'train.py', '--config=tiny', '--steps=1', '--batch-size=4',
-         '--seq-len=32', f'--data={text_file}', f'--out={tmp_path / name}', '--eval-every=1',
+        [sys.executable, 'train.py', '--config=tiny', '--steps=1', '--batch-size=8',
+         '--seq-len=128', f'--data={text_file}', f'--out={tmp_path / name}', '--eval-every=1',
          '--eval-batches=1', '--no-memory-report', '--remat=auto:0.9x', *mesh],
         cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
