@@ -538,7 +538,9 @@ def _cross_entropy_fwd(h, emb, labels, chunk):
 
 def _cross_entropy_bwd(chunk, res, g):
   d_h, d_emb = res
-  return g * d_h, g * d_emb, None
+  # g is the float32 loss's cotangent: the products must come back in h's and emb's dtypes
+  # (a bfloat16 h, as Llama's, otherwise gets a float32 cotangent that its producer rejects).
+  return (g * d_h).astype(d_h.dtype), (g * d_emb).astype(d_emb.dtype), None
 
 
 chunked_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
