@@ -151,8 +151,13 @@ def test_cache_key_covers_the_mesh():
   assert auto.mesh_description(shardings(('data', 'fsdp'), P()))['axes'] == {'data': 1, 'fsdp': 1}
 
 
+@pytest.mark.slow
 def test_parallel_compiles_give_the_same_answer(mlp_stock):
-  """Compiling two finalists at once changes the time, not the answer or its plan."""
+  """Compiling two finalists at once changes the time, not the answer or its plan.
+
+  Slow: two whole searches (about 25 s on the loaded 2-core machine). The default suite's
+  searches run with two compiles at once already (PARALLEL is 2 on 2 cores).
+  """
   none, full = mlp_stock['none'][0], mlp_stock['full'][0]
   budget = f'auto:{int(full + 0.5 * (none - full))}B'
   one, two = (auto.choose(user_mlp.build, *user_mlp.example_args(), budget=budget, cache=False,
