@@ -10,13 +10,15 @@ stack helper in ``build`` and ``num_layers``.
 
 How (docs/auto.md):
 
-1. ``none`` is compiled; if its plan fits, it is the answer.
-2. ``full`` is compiled, and a few traces fit the cheap model
-   (:mod:`remat.auto_model`): residual bytes per tag, recompute FLOPs.
-3. Candidates are taken in order of recompute FLOPs (counted exactly before any
+1. ``none`` and ``full`` are compiled (together, while a few traces fit the
+   cheap model, :mod:`remat.auto_model`: residual bytes per tag, recompute
+   FLOPs); if ``none``'s plan fits, it is the answer.
+2. Candidates are taken in order of recompute FLOPs (counted exactly before any
    compile); one whose estimated peak is over the budget (after the model's
-   observed error for its kind) is skipped, the others are compiled for the
-   target until one fits. Its plan, from the compiler, is the answer.
+   observed error for its kind), a ``names:`` superset of a rule that planned
+   over, or a mix no cheaper than its leaner rule is skipped; the others are
+   compiled for the target, two at a time, until one fits in order. Its plan,
+   from the compiler, is the answer.
 
 An impossible budget is a one-line :class:`AutoError` naming the least peak
 any compiled candidate reached. Answers are cached on disk
@@ -36,8 +38,8 @@ import jax
 
 from remat import auto_cache
 from remat.auto_budget import Budget, BudgetError, parse_budget
-from remat.flops import _walk
 from remat.auto_model import Calibration, Candidate, layer_candidates, stack_candidates
+from remat.flops import _walk
 from remat.measuring import _abstract, _parts, step_flops, step_residuals
 from remat.memory import MemoryStats, compiled_memory, format_bytes
 from remat.policies import PolicyError, get_policy, sqrt_segment_size
