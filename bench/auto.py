@@ -52,11 +52,17 @@ def main(argv=None) -> int:
                  help="budgets after 'auto:', separated by ','")
   p.add_argument('--stock', default=None,
                  help="stock specs to compare with, separated by ';' (default: all, stock_specs)")
+  p.add_argument('--all-stock', action='store_true',
+                 help='compile every stock policy (default: only those, in order of FLOPs, '
+                      'up to the first whose plan meets each budget)')
+  p.add_argument('--no-stock', action='store_true',
+                 help='the search alone, cold and cached (to time it): no stock policy compiled')
+  p.add_argument('--dtype', default=None, help='float32 or bfloat16 (default: the config\'s)')
   p.add_argument('--json', metavar='FILE')
   args = p.parse_args(argv)
-  from configs import load_config
+  from configs import load_config, with_dtype
   try:
-    named = load_config(args.config)
+    named = with_dtype(load_config(args.config), args.dtype)
     target = get_target(args.target)
     case = zoo.case(named.model, args.batch_size, args.size)
     budgets = [f'auto:{b.strip()}' for b in args.budgets.split(',') if b.strip()]
@@ -66,8 +72,8 @@ def main(argv=None) -> int:
     print(f'{PROG}: error: {e}', file=sys.stderr)
     return 2
   state_args = case.step_args()
-  # Stock plans are kept in a JSON file as they are compiled, so a rerun (another set of budgets)
-  # compiles only what is missing; the file is keyed like the auto cache.
+  # Stock FLOPs and plans are kept in a JSON file as they are counted and compiled, so a rerun
+  # (another set of budgets) does only what is missing; the file is keyed like the auto cache.
   from remat import auto_cache
   stock_key = auto_cache.key({'case': case.cache_key(), 'env': auto_cache.environment(target)})
   stock_path = auto_cache.cache_dir() / f'stock-{stock_key}.json'
@@ -75,51 +81,82 @@ def main(argv=None) -> int:
     stock = json.loads(stock_path.read_text())
   except (OSError, ValueError):
     stock = {}
-  t0 = time.perf_counter()
   specs = (['none'] + [s.strip() for s in args.stock.split(';') if s.strip()] if args.stock
            else stock_specs(case.num_layers, case.tags(), target.sharding is not None))
-  for spec in specs:
-    if spec in stock:
-      continue
-    program = case.train_step(case.policy(spec))
-    mem = auto.plan(program, state_args, target)
-    stock[spec] = {'peak': mem.peak, 'temp': mem.temp,
-                   'flops': step_flops(program, *state_args).flops}
+  t0 = time.perf_counter()
+
+  def save():
     stock_path.parent.mkdir(parents=True, exist_ok=True)
     stock_path.write_text(json.dumps(stock))
-    print(f'# stock {spec}: peak {format_bytes(mem.peak)}, flops {stock[spec]["flops"]:.4g}',
-          file=sys.stderr, flush=True)
-  stock_seconds = time.perf_counter() - t0
+
+  def planned(spec):   # the stock spec's compiled plan, compiled once
+    if 'peak' not in stock[spec]:
+      mem = auto.plan(case.train_step(case.policy(spec)), state_args, target)
+      stock[spec].update(peak=mem.peak, temp=mem.temp)
+      save()
+      print(f'# stock {spec}: peak {format_bytes(mem.peak)}, flops {stock[spec]["flops"]:.4g}',
+            file=sys.stderr, flush=True)
+    return stock[spec]
+
+  if args.no_stock:
+    specs = []
+  for spec in specs:   # FLOPs of every stock policy: a jaxpr walk each, nothing compiled
+    if spec not in stock:
+      stock[spec] = {'flops': step_flops(case.train_step(case.policy(spec)), *state_args).flops}
+      save()
+  if specs:
+    planned('none')
+  if args.all_stock:
+    for spec in specs:
+      planned(spec)
   stock = {s: m for s, m in stock.items() if s in specs}
-  none = stock['none']
+  none = stock.get('none')
   rows = []
   for b in budgets:
     log = lambda s: print(f'#   {s}', file=sys.stderr, flush=True)
+    # Cold: this question's cache entry is removed first; the search then stores its answer,
+    # and the same call again is answered from the cache (one search per budget, not two).
+    key = auto_cache.key(auto._key_parts(case.train_step, state_args, auto.parse_budget(b), target,
+                                         case.num_layers, case.cache_key(), auto.MAX_COMPILES))
+    (auto_cache.cache_dir() / f'{key}.json').unlink(missing_ok=True)
     try:
-      cold = case.choose(b, target, cache=False, log=log)
+      cold = case.choose(b, target, log=log)
     except auto.AutoError as e:
       rows.append({'budget': b, 'error': str(e)})
       continue
-    case.choose(b, target)                       # fills the cache
     t = time.perf_counter()
     cached = case.choose(b, target)
     cached_s = time.perf_counter() - t
-    fits = {s: m for s, m in stock.items() if m['peak'] <= cold.budget_bytes}
-    best = min(fits, key=lambda s: (fits[s]['flops'], fits[s]['peak'])) if fits else None
+    none = none or {'flops': cold.none_flops}
+    # The best stock policy is the first, in order of FLOPs, whose plan meets the budget: every
+    # stock policy before it is compiled (and over), none after it can recompute less.
+    best, over = None, []
+    for spec in sorted(specs, key=lambda s: (stock[s]['flops'], s)):
+      if planned(spec)['peak'] <= cold.budget_bytes:
+        best = spec
+        break
+      over.append(spec)
     rows.append({'budget': b, 'budget_bytes': cold.budget_bytes, 'chosen': cold.spec,
                  'peak': cold.memory.peak, 'temp': cold.memory.temp, 'flops': cold.flops,
                  'recompute': cold.flops / none['flops'], 'plans_compiled': len(cold.compiled),
                  'cold_seconds': cold.seconds, 'cached_seconds': cached_s,
-                 'exhausted': cold.exhausted,
-                 'cached_same': cached.spec == cold.spec,
-                 'best_stock': best, 'stock_peak': fits[best]['peak'] if best else None,
-                 'stock_recompute': fits[best]['flops'] / none['flops'] if best else None})
-  header = (f'# bench.auto: {named.name}, batch {args.batch_size} x {args.size}, float32, target '
+                 'exhausted': cold.exhausted, 'profile': cold.profile,
+                 'compiled': list(cold.compiled), 'cached_same': cached.spec == cold.spec,
+                 'best_stock': best, 'stock_over': over,
+                 'stock_peak': stock[best]['peak'] if best else None,
+                 'stock_recompute': stock[best]['flops'] / none['flops'] if best else None})
+    print(f'# {b}: {cold.spec} {format_bytes(cold.memory.peak)} {rows[-1]["recompute"]:.3f}x; '
+          f'best stock {best}; {cold.profile}', file=sys.stderr, flush=True)
+  stock_seconds = time.perf_counter() - t0
+  compiled = sum('peak' in m for m in stock.values())
+  header = (f'# bench.auto: {named.name}, batch {args.batch_size} x {args.size}, '
+            f'{named.model.dtype}, target '
             f'{target.name} ({target.description}), jax {jax.__version__}; {len(stock)} stock '
-            f'policies ({"all" if not args.stock else "given"}) compiled in {stock_seconds:.0f} s')
+            f'policies ({"all" if not args.stock else "given"}), {compiled} of them compiled; '
+            f'{stock_seconds:.0f} s in all')
   print(header)
   print(f"{'budget':<12}{'limit':>11}{'chosen':<46}{'peak':>11}{'recomp':>8}  "
-        f"{'best stock':<22}{'peak':>11}{'recomp':>8}{'cold':>7}{'cached':>8}")
+        f"{'best stock':<22}{'peak':>11}{'recomp':>8}{'plans':>6}{'cold':>7}{'cached':>8}")
   for r in rows:
     if 'error' in r:
       print(f"{r['budget']:<12} {r['error']}")

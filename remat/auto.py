@@ -10,13 +10,15 @@ stack helper in ``build`` and ``num_layers``.
 
 How (docs/auto.md):
 
-1. ``none`` is compiled; if its plan fits, it is the answer.
-2. ``full`` is compiled, and a few traces fit the cheap model
-   (:mod:`remat.auto_model`): residual bytes per tag, recompute FLOPs.
-3. Candidates are taken in order of recompute FLOPs (counted exactly before any
+1. ``none`` and ``full`` are compiled (together, while a few traces fit the
+   cheap model, :mod:`remat.auto_model`: residual bytes per tag, recompute
+   FLOPs); if ``none``'s plan fits, it is the answer.
+2. Candidates are taken in order of recompute FLOPs (counted exactly before any
    compile); one whose estimated peak is over the budget (after the model's
-   observed error for its kind) is skipped, the others are compiled for the
-   target until one fits. Its plan, from the compiler, is the answer.
+   observed error for its kind), a ``names:`` superset of a rule that planned
+   over, or a mix no cheaper than its leaner rule is skipped; the others are
+   compiled for the target, two at a time, until one fits in order. Its plan,
+   from the compiler, is the answer.
 
 An impossible budget is a one-line :class:`AutoError` naming the least peak
 any compiled candidate reached. Answers are cached on disk
@@ -25,8 +27,10 @@ any compiled candidate reached. Answers are cached on disk
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import heapq
+import os
 import time
 from typing import Any, Callable
 
@@ -35,6 +39,7 @@ import jax
 from remat import auto_cache
 from remat.auto_budget import Budget, BudgetError, parse_budget
 from remat.auto_model import Calibration, Candidate, layer_candidates, stack_candidates
+from remat.flops import _walk
 from remat.measuring import _abstract, _parts, step_flops, step_residuals
 from remat.memory import MemoryStats, compiled_memory, format_bytes
 from remat.policies import PolicyError, get_policy, sqrt_segment_size
@@ -48,6 +53,10 @@ CPU_PLAN_OPTIONS = {'xla_backend_optimization_level': 0,
                     'xla_llvm_disable_expensive_passes': True}
 MAX_COMPILES = 8      # compiles after none and full before settling for the least estimate
 MAX_TRACES = 16       # per-layer rules' FLOPs counted before trusting the model's
+# Plans compiled at once. XLA's compile of one plan runs on one core and releases the GIL, so on
+# a machine with two cores two finalists (or the two anchors, while the calibration traces run)
+# cost about one compile's wall time; the answer is the same as compiling them one by one.
+PARALLEL = max(1, min(2, os.cpu_count() or 1))
 
 
 class AutoError(PolicyError):
@@ -69,6 +78,7 @@ class Choice:
     seconds: time the search took (the cache read, when cached).
     cached: True when the answer came from the cache.
     exhausted: True when the compile cap was reached and the least estimate was taken.
+    profile: where the cold search's time went (compiles, their seconds, traces).
   """
   spec: str
   budget: str
@@ -82,6 +92,7 @@ class Choice:
   seconds: float
   cached: bool = False
   exhausted: bool = False
+  profile: str = ''
 
   @property
   def recompute(self) -> float:
@@ -109,49 +120,144 @@ class Choice:
                   'seconds': seconds, 'cached': True})
 
 
-def plan(program, example_args, target: Target) -> MemoryStats:
-  """The compiled memory plan of ``program`` for ``target`` (compile only)."""
+def plan(program, example_args, target: Target, shardings: tuple | None = None) -> MemoryStats:
+  """The compiled memory plan of ``program`` for ``target`` (compile only).
+
+  ``shardings``: ``(in_shardings, out_shardings)`` of a program on a device
+  mesh (local devices); the plan is then XLA's per-device plan.
+  """
+  lowered, options = _lower(program, example_args, target, shardings)
+  return compiled_memory(lowered.compile(compiler_options=options or None), target.name)
+
+
+def _lower(program, example_args, target: Target, shardings: tuple | None):
+  """(lowered program, compiler options): the part of a plan that needs the GIL."""
+  traced, options = _trace(program, example_args, target, shardings)
+  return traced.lower(), options
+
+
+def _trace(program, example_args, target: Target, shardings: tuple | None):
+  """(traced step, compiler options): one trace serves the FLOP count and the lowering."""
   fn, donate, _ = _parts(program, example_args)
   options = dict(target.compiler_options)
   if target.sharding is None and jax.default_backend() == 'cpu':
     options.update(CPU_PLAN_OPTIONS)
-  args = target.place(_abstract(example_args))
-  compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile(
-      compiler_options=options or None)
-  return compiled_memory(compiled, target.name)
+  if shardings is None:
+    jitted = jax.jit(fn, donate_argnums=donate)
+    args = target.place(_abstract(example_args))
+  else:
+    jitted = jax.jit(fn, in_shardings=shardings[0], out_shardings=shardings[1],
+                     donate_argnums=donate)
+    args = _abstract(example_args)
+  return jitted.trace(*args), options
+
+
+def mesh_description(shardings: tuple | None) -> dict | None:
+  """What a cache key needs of ``(in_shardings, out_shardings)``: mesh axes, devices, specs."""
+  if shardings is None:
+    return None
+  leaves = [s for s in jax.tree_util.tree_leaves(shardings)
+            if isinstance(s, jax.sharding.Sharding)]
+  mesh = next((s.mesh for s in leaves if isinstance(s, jax.sharding.NamedSharding)), None)
+  return {'axes': dict(mesh.shape) if mesh is not None else None,
+          'devices': sorted({d.device_kind for s in leaves for d in s.device_set}),
+          'device_count': len({d for s in leaves for d in s.device_set}),
+          'specs': [str(getattr(s, 'spec', s)) for s in leaves]}
 
 
 class _Search:
   """One search: memoised plans, FLOP counts and residual traces of specs."""
 
-  def __init__(self, build, args, target: Target, num_layers: int | None, log: Callable):
+  def __init__(self, build, args, target: Target, num_layers: int | None, log: Callable,
+               shardings: tuple | None = None, parallel: int = PARALLEL):
     self.build, self.args, self.target, self.n, self.log = build, args, target, num_layers, log
+    self.shardings = shardings
     self.plans: dict[str, MemoryStats] = {}
+    self.pending: dict[str, concurrent.futures.Future] = {}
+    self.seconds: dict[str, tuple[float, float]] = {}   # spec -> (lowering s, compile s)
     self.flop_counts: dict[str, int] = {}
     self.order: list[str] = []
     self.traces = 0
+    self.trace_seconds = 0.0
+    self.residual_traces = 0
+    self.pool = concurrent.futures.ThreadPoolExecutor(max(1, parallel))
+    self.traced: dict[str, Any] = {}   # spec -> (traced step, options), until it is lowered
+    self.cpu_start = time.process_time()
 
   def program(self, spec: str):
     return self.build(get_policy(spec, num_layers=self.n))
 
+  def submit(self, spec: str) -> None:
+    """Lowers ``spec``'s step here and compiles it on the pool (no-op if planned or pending)."""
+    if spec in self.plans or spec in self.pending:
+      return
+    t = time.perf_counter()
+    traced, options = self._traced(spec)
+    lowered = traced.lower()
+    del self.traced[spec]
+    lower_s = time.perf_counter() - t
+
+    def compile_():
+      t = time.perf_counter()
+      mem = compiled_memory(lowered.compile(compiler_options=options or None), self.target.name)
+      return mem, time.perf_counter() - t
+    self.pending[spec] = self.pool.submit(compile_)
+    self.seconds[spec] = (lower_s, 0.0)
+    self.order.append(spec)
+
   def plan(self, spec: str) -> MemoryStats:
     if spec not in self.plans:
-      self.plans[spec] = plan(self.program(spec), self.args, self.target)
-      self.order.append(spec)
+      self.submit(spec)
+      mem, compile_s = self.pending.pop(spec).result()
+      self.plans[spec] = mem
+      self.seconds[spec] = (self.seconds[spec][0], compile_s)
     return self.plans[spec]
+
+  def drain(self) -> None:
+    """Waits for every pending compile (each is recorded; none is left running)."""
+    for spec in list(self.pending):
+      self.plan(spec)
+
+  def _traced(self, spec: str):
+    """The step of ``spec`` traced once: its jaxpr is counted, then it is lowered."""
+    if spec not in self.traced:
+      t = time.perf_counter()
+      self.traced[spec] = _trace(self.program(spec), self.args, self.target, self.shardings)
+      self.trace_seconds += time.perf_counter() - t
+    return self.traced[spec]
 
   def flops(self, spec: str) -> int:
     if spec not in self.flop_counts:
-      self.flop_counts[spec] = step_flops(self.program(spec), *self.args).flops
+      if spec in self.plans or spec in self.pending:   # lowered already: count it afresh
+        self.flop_counts[spec] = step_flops(self.program(spec), *self.args).flops
+      else:
+        self.flop_counts[spec] = _walk(self._traced(spec)[0].jaxpr.jaxpr)[0]
       self.traces += 1
     return self.flop_counts[spec]
 
+  def profile(self) -> str:
+    """Where the search's time went: compiles (lower + XLA) and traces, one line."""
+    comp = [self.seconds[s][1] for s in self.order if s in self.plans]
+    low = sum(self.seconds[s][0] for s in self.order)
+    each = ', '.join(f'{c:.0f}' for c in comp)
+    return (f'{len(comp)} plans compiled, up to {self.pool._max_workers} at once (XLA compile '
+            f's each: {each}; lowering {low:.0f} s in all); traces {self.trace_seconds:.0f} s '
+            f'({len(self.flop_counts)} FLOP counts, {self.residual_traces} residual traces); '
+            f'{time.process_time() - self.cpu_start:.0f} CPU s in all')
+
   def residuals(self, spec: str):
-    return step_residuals(self.program(spec), *self.args)
+    self.residual_traces += 1
+    t = time.perf_counter()
+    out = step_residuals(self.program(spec), *self.args)
+    self.trace_seconds += time.perf_counter() - t
+    return out
 
   def record(self, budget_bytes: int) -> tuple[dict, ...]:
+    self.drain()
     return tuple({'spec': s, 'peak': self.plans[s].peak, 'temp': self.plans[s].temp,
-                  'flops': self.flops(s), 'fits': self.plans[s].peak <= budget_bytes}
+                  'flops': self.flops(s), 'fits': self.plans[s].peak <= budget_bytes,
+                  'lower_s': round(self.seconds[s][0], 2),
+                  'compile_s': round(self.seconds[s][1], 2)}
                  for s in self.order)
 
   def calibrate(self) -> tuple[Calibration, set[str]]:
@@ -186,17 +292,19 @@ class _Search:
 
   def run(self, budget: Budget, max_compiles: int) -> tuple[str, int, bool]:
     """Returns (chosen spec, budget bytes, exhausted); raises AutoError if nothing fits."""
-    none = self.plan('none')
-    self.flops('none')
-    nbytes = budget.resolve(none.peak, self.target.device_memory, self.target.name)
     say = lambda s: self.log(f'auto: {s}')
+    # Both anchors compile while the calibration traces run; full is needed unless none fits.
+    self.flops('none')   # one trace each: counted, then lowered
+    self.flops('full')
+    self.submit('none')
+    self.submit('full')
+    cal, tags = self.calibrate()
+    none, full = self.plan('none'), self.plan('full')
+    nbytes = budget.resolve(none.peak, self.target.device_memory, self.target.name)
     say(f'budget {budget.describe(nbytes)}; none plans {format_bytes(none.peak)}')
     if none.peak <= nbytes:
       return 'none', nbytes, False
-    full = self.plan('full')
-    self.flops('full')
     say(f'full plans {format_bytes(full.peak)}')
-    cal, tags = self.calibrate()
     self.traces = 0   # the cap counts the search's own FLOP counts, not the calibration's
     cands = layer_candidates(cal, tags, offload=self.target.sharding is not None)
     cands += stack_candidates(cal, cands)
@@ -208,37 +316,57 @@ class _Search:
     # full is verified already: a candidate must recompute strictly less to be worth a compile.
     best = ('full', cal.flops_full) if full.peak <= nbytes else None
     offset: dict[str, float] = {}
-    heap = [(c.flops, c.est_peak, not c.stock, c.spec, c) for c in cands
-            if c.spec not in ('none', 'full')]
+    over: list[frozenset] = []   # tag sets of names: rules whose plans were over the budget
+    # Ties in FLOPs go to per-layer rules first: the model is closest on them, and a mix or
+    # segmenting pays for stack bookkeeping (a copy of the stack's gradient) that a rule does not.
+    order = lambda c: (c.flops, c.kind != 'layer', c.est_peak, not c.stock, c.spec, c)
+    heap = [order(c) for c in cands if c.spec not in ('none', 'full')]
     heapq.heapify(heap)
-    compiles, skipped = 0, 0
+
+    def next_candidate() -> Candidate | None:
+      """The next candidate worth a compile, least (exact) FLOPs first; None when none is left."""
+      while heap:
+        *_, c = heapq.heappop(heap)
+        if c.spec in self.plans or c.spec in self.pending:
+          continue
+        if c.est_peak + offset.get(c.kind, 0.0) > nbytes + tol:
+          continue
+        # Saving a superset of a rule's tags keeps at least its residuals: over as well.
+        if c.saves is not None and any(o <= c.saves for o in over):
+          continue
+        if not c.exact and self.traces < MAX_TRACES:
+          c.flops = cal.flops_none + c.extra + sum(
+              w * (self.flops(dep) - cal.flops_none) for w, dep in c.deps)
+          c.exact = True
+          heapq.heappush(heap, order(c))
+          continue
+        # A mix jxA+B that recomputes no less than A alone is beaten by A (it keeps less).
+        if c.kind == 'mix' and c.exact and round(c.flops) >= self.flops(c.deps[0][1]):
+          continue
+        return c
+      return None
+
     say(f'{len(heap)} candidates; compiling those the model says fit, least recompute first')
-    while heap:
-      *_, c = heapq.heappop(heap)
-      if c.spec in self.plans:
-        continue
-      if c.est_peak + offset.get(c.kind, 0.0) > nbytes + tol:
-        skipped += 1
-        continue
-      if not c.exact and self.traces < MAX_TRACES:
-        c.flops = cal.flops_none + c.extra + sum(
-            w * (self.flops(dep) - cal.flops_none) for w, dep in c.deps)
-        c.exact = True
-        heapq.heappush(heap, (c.flops, c.est_peak, not c.stock, c.spec, c))
-        continue
-      if best is not None and c.flops >= best[1]:
-        return best[0], nbytes, False
-      if compiles >= max_compiles:
-        if best is not None:   # full fits: nothing cheaper was found within the cap
-          say(f'compile cap ({max_compiles}) reached; full fits')
-          return best[0], nbytes, True
-        say(f'compile cap ({max_compiles}) reached; taking the least estimate')
-        spec, peak = self.least(cands)
-        if peak > nbytes:
-          raise AutoError(self._impossible(budget, nbytes, spec, peak, 'after the compile cap'))
-        return spec, nbytes, True
+    queue: list[Candidate] = []   # compiling, in order of FLOPs
+    compiles, stop = 0, None
+    while True:
+      # The next candidates in order compile together; the first that fits is the answer.
+      while len(queue) < self.pool._max_workers and stop is None:
+        c = next_candidate()
+        if c is None:
+          stop = 'empty'
+        elif best is not None and c.flops >= best[1]:
+          stop = 'best'
+        elif compiles >= max_compiles:
+          stop = 'cap'
+        else:
+          self.submit(c.spec)
+          compiles += 1
+          queue.append(c)
+      if not queue:
+        break
+      c = queue.pop(0)
       got = self.plan(c.spec)
-      compiles += 1
       err = got.peak - c.est_peak
       offset[c.kind] = min(offset.get(c.kind, err), err)
       fits = got.peak <= nbytes
@@ -246,6 +374,19 @@ class _Search:
           f'recompute {c.flops / cal.flops_none:.3f}x: {"fits" if fits else "over"}')
       if fits:
         return c.spec, nbytes, False
+      if c.saves is not None:
+        over.append(c.saves)
+    if stop == 'best':
+      return best[0], nbytes, False
+    if stop == 'cap':
+      if best is not None:   # full fits: nothing cheaper was found within the cap
+        say(f'compile cap ({max_compiles}) reached; full fits')
+        return best[0], nbytes, True
+      say(f'compile cap ({max_compiles}) reached; taking the least estimate')
+      spec, peak = self.least(cands)
+      if peak > nbytes:
+        raise AutoError(self._impossible(budget, nbytes, spec, peak, 'after the compile cap'))
+      return spec, nbytes, True
     if best is not None:
       return best[0], nbytes, False
     spec, peak = self.least(cands)
@@ -262,7 +403,8 @@ class _Search:
 def choose(build: Callable, *example_args: Any, budget: str | Budget,
            target: Target | str = 'cpu', num_layers: int | None = None,
            cache: bool = True, cache_key: dict | None = None,
-           max_compiles: int = MAX_COMPILES, log: Callable[[str], None] | None = None) -> Choice:
+           max_compiles: int = MAX_COMPILES, log: Callable[[str], None] | None = None,
+           shardings: tuple | None = None, parallel: int = PARALLEL) -> Choice:
   """The policy of least recompute whose compiled plan's peak fits ``budget``.
 
   Args:
@@ -279,6 +421,10 @@ def choose(build: Callable, *example_args: Any, budget: str | Budget,
       is traced and hashed.
     max_compiles: candidate compiles (besides none and full) before settling.
     log: called with one line per step of the search.
+    shardings: ``(in_shardings, out_shardings)`` for a program on a device mesh
+      of local devices: every plan is XLA's per-device plan of the partitioned
+      step, the budget is per device, and the mesh is part of the cache key.
+    parallel: plans compiled at once (the answer does not depend on it).
 
   Returns:
     A :class:`Choice`.
@@ -294,22 +440,28 @@ def choose(build: Callable, *example_args: Any, budget: str | Budget,
   k = None
   if cache:
     k = auto_cache.key(_key_parts(build, example_args, budget, target, num_layers, cache_key,
-                                  max_compiles))
+                                  max_compiles, shardings))
     rec = auto_cache.load(k)
     if rec is not None:
       return Choice.from_json(rec['choice'], time.perf_counter() - start)
-  search = _Search(build, example_args, target, num_layers, log)
-  spec, nbytes, exhausted = search.run(budget, max_compiles)
+  search = _Search(build, example_args, target, num_layers, log, shardings, parallel)
+  try:
+    spec, nbytes, exhausted = search.run(budget, max_compiles)
+    record = search.record(nbytes)
+  finally:   # no compile is left running behind the answer (or the error)
+    search.drain()
+    search.pool.shutdown()
   choice = Choice(spec, budget.text, nbytes, target.name, search.plan(spec), search.flops(spec),
-                  search.plan('none').peak, search.flops('none'), search.record(nbytes),
-                  time.perf_counter() - start, False, exhausted)
+                  search.plan('none').peak, search.flops('none'), record,
+                  time.perf_counter() - start, False, exhausted, search.profile())
+  log(f'auto: {choice.profile}')
   if k is not None:
     auto_cache.store(k, {'choice': choice.to_json()})
   return choice
 
 
 def _key_parts(build, args, budget: Budget, target: Target, num_layers, cache_key,
-               max_compiles) -> dict:
+               max_compiles, shardings=None) -> dict:
   from remat.auto_budget import mem_fraction
   program = cache_key
   if program is None:
@@ -318,7 +470,8 @@ def _key_parts(build, args, budget: Budget, target: Target, num_layers, cache_ke
   shapes = [str(a) for a in jax.tree_util.tree_leaves(_abstract(args))]
   return {'program': program, 'args': shapes, 'env': auto_cache.environment(target),
           'budget': budget.text, 'mem_fraction': mem_fraction() if budget.device else None,
-          'num_layers': num_layers, 'max_compiles': max_compiles}
+          'num_layers': num_layers, 'max_compiles': max_compiles,
+          'mesh': mesh_description(shardings)}
 
 
 __all__ = ['AutoError', 'BudgetError', 'Choice', 'choose', 'plan', 'parse_budget']

@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 
 # Bump when the search or the record changes meaning: older records are then never read.
-SEARCH_VERSION = 1
+SEARCH_VERSION = 2   # 2: the mesh is part of the key; superset pruning
 
 
 def cache_dir() -> Path:

@@ -59,6 +59,7 @@ class Candidate:
   stock: bool = False       # a named rule, preset or segmenting (not a tag subset or mix)
   deps: tuple[tuple[float, str], ...] = ()
   extra: float = 0.0
+  saves: frozenset | None = None   # the tags a names: rule saves (None for other kinds)
 
   def __post_init__(self):
     if not self.deps and self.kind == 'layer':
@@ -127,7 +128,8 @@ def layer_candidates(cal: Calibration, tags: set[str], offload: bool) -> list[Ca
       spec = name or f'{kind}:{",".join(subset)}'
       # Offloaded residuals leave the device: its plan is about full's.
       est = cal.layer_est(cal.res_full + (saved if kind == 'names' else 0))
-      cand = Candidate(spec, 'layer', est, flops, False, name is not None)
+      cand = Candidate(spec, 'layer', est, flops, False, name is not None,
+                       saves=frozenset(subset) if kind == 'names' else None)
       key = (kind, frozenset(subset) & live)
       if key not in seen:
         seen[key] = len(out)

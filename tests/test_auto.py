@@ -130,6 +130,46 @@ def test_cache_key_covers_shapes_and_budget():
   assert k != auto_cache.key(parts(bigger, 'auto:1MiB'))
 
 
+def test_cache_key_covers_the_mesh():
+  """A plan on a mesh is per device: another mesh (or none) is another question."""
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  args = user_mlp.example_args()
+  dev = np.asarray(jax.devices()[:1])
+
+  def shardings(axes, spec):
+    mesh = Mesh(dev.reshape((1,) * len(axes)), axes)
+    s = NamedSharding(mesh, spec)
+    return ((s, s), s)
+  key = lambda sh: auto_cache.key(auto._key_parts(user_mlp.build, args, parse_budget('auto:1MiB'),
+                                                  CPU, None, {'program': 1}, 8, sh))
+  one = key(None)
+  fsdp = key(shardings(('data', 'fsdp'), P()))
+  assert fsdp == key(shardings(('data', 'fsdp'), P()))
+  assert len({one, fsdp, key(shardings(('fsdp',), P())),
+              key(shardings(('data', 'fsdp'), P('fsdp')))}) == 4
+  assert auto.mesh_description(shardings(('data', 'fsdp'), P()))['axes'] == {'data': 1, 'fsdp': 1}
+
+
+@pytest.mark.slow
+def test_parallel_compiles_give_the_same_answer(mlp_stock):
+  """Compiling two finalists at once changes the time, not the answer or its plan.
+
+  Slow: two whole searches (about 25 s on the loaded 2-core machine). The default suite's
+  searches run with two compiles at once already (PARALLEL is 2 on 2 cores).
+  """
+  none, full = mlp_stock['none'][0], mlp_stock['full'][0]
+  budget = f'auto:{int(full + 0.5 * (none - full))}B'
+  one, two = (auto.choose(user_mlp.build, *user_mlp.example_args(), budget=budget, cache=False,
+                          parallel=p) for p in (1, 2))
+  assert (one.spec, one.memory, one.flops) == (two.spec, two.memory, two.flops)
+  assert [c['spec'] for c in one.compiled][:2] == ['none', 'full']
+  assert all(c['compile_s'] > 0 for c in two.compiled) and 'plans compiled' in two.profile
+  # The FLOPs come from the trace that is lowered: the same count as remat.measure's.
+  args = user_mlp.example_args()
+  assert two.flops == step_flops(user_mlp.build(get_policy(two.spec)), *args).flops
+
+
 def _mlp_at(batch):
   params, _ = user_mlp.example_args()
   return user_mlp.build, (params, jax.ShapeDtypeStruct((batch, user_mlp.D), jnp.float32))
@@ -197,6 +237,43 @@ def test_train_resolves_auto_and_records_the_spec(tmp_path, text_file):
   assert meta['auto']['spec'] == meta['policy'] == rows[-1]['policy'] == 'none'
   assert meta['auto']['budget'] == 'auto:1x' and meta['train']['remat'] == 'auto:1x'
   assert meta['auto']['memory']['temp'] > 0 and meta['auto']['compiled'][0]['spec'] == 'none'
+
+
+@pytest.mark.slow
+def test_train_auto_plans_the_mesh_step(tmp_path, text_file):
+  """train.py --remat=auto --mesh fsdp=2 searches the per-device plan, cached per mesh.
+
+  Runs train.py on 2 simulated CPU devices (a subprocess: the suite's process has one):
+  the fsdp=2 search's none plan holds half the state and batch, so it is below one
+  device's, the two meshes are two cache entries, and a rerun on fsdp=2 is a cache
+  hit. (auto:1x: none fits, so each search is its two anchor compiles.)
+  """
+  import json
+  import os
+  import re
+  import subprocess
+  import sys
+  from pathlib import Path
+  root = Path(__file__).resolve().parents[1]
+  env = dict(os.environ, JAX_PLATFORMS='cpu', REMAT_CACHE=str(tmp_path / 'cache'))
+  env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=2')
+
+  def run(name, *mesh):
+    out = subprocess.run(
+        [sys.executable, 'train.py', '--config=tiny', '--steps=1', '--batch-size=8',
+         '--seq-len=128', f'--data={text_file}', f'--out={tmp_path / name}', '--eval-every=1',
+         '--eval-batches=1', '--no-memory-report', '--remat=auto:1x', *mesh],
+        cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    line = next(l for l in out.stdout.splitlines() if l.startswith('remat: auto:1x -> '))
+    return line, float(re.search(r'; none ([\d.]+) MiB', line).group(1))
+  mesh_line, mesh_none = run('mesh', '--mesh=fsdp=2')
+  one_line, one_none = run('one')
+  assert mesh_none < one_none, (mesh_line, one_line)
+  records = [json.loads(p.read_text()) for p in (tmp_path / 'cache').glob('*.json')]
+  assert len(records) == 2
+  again, _ = run('again', '--mesh=fsdp=2')
+  assert again.endswith('(from the cache)') and again.split(' (')[0] == mesh_line.split(' (')[0]
 
 
 def test_train_cli_rejects_a_bad_budget_in_one_line(capsys):

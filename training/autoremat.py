@@ -2,7 +2,10 @@
 
 The step planned is the one training compiles (:func:`training.steps.make_train_step`
 with the run's optimizer, seed and non-finite guard) for the local backend,
-so the chosen plan is the plan that trains. The answer is cached
+so the chosen plan is the plan that trains. With ``--mesh`` it is the step
+partitioned over that mesh with the run's shardings
+(:meth:`training.mesh.Placement.jit_train_step`): plans and the budget are per
+device, and the mesh is part of the cache key. The answer is cached
 (:mod:`remat.auto_cache`), keyed by the model config, shapes, optimizer
 settings and a hash of the model and training source.
 """
@@ -38,7 +41,7 @@ def local_budget(text: str) -> Budget:
   return budget
 
 
-def choose_for_run(cfg, named, task: Task, size: int, log) -> auto.Choice:
+def choose_for_run(cfg, named, task: Task, size: int, log, place=None) -> auto.Choice:
   """Runs (or reads from the cache) the search for this run's train step.
 
   Args:
@@ -47,6 +50,7 @@ def choose_for_run(cfg, named, task: Task, size: int, log) -> auto.Choice:
     task: the task at ``size``.
     size: sequence length or image side.
     log: where the search's lines and the answer go.
+    place: the run's :class:`training.mesh.Placement` (None or no mesh: one device).
   """
   budget = local_budget(cfg.remat)
   tx = st.make_optimizer(cfg.lr, cfg.steps, cfg.warmup_steps, cfg.weight_decay, cfg.grad_clip)
@@ -63,8 +67,14 @@ def choose_for_run(cfg, named, task: Task, size: int, log) -> auto.Choice:
          cfg.batch_size, 'size': size, 'optimizer': [cfg.lr, cfg.steps, cfg.warmup_steps,
                                                      cfg.weight_decay, cfg.grad_clip],
          'seed': cfg.seed, 'guard': True, 'source': source_hash()}
+  shardings = None
+  if place is not None and place.mesh is not None:
+    state, batch = args   # the shardings Placement.jit_train_step compiles the run's step with
+    state_sh = place.state_shardings(state)
+    shardings = ((state_sh, place.batch_shardings(batch)), (state_sh, place.replicated()))
+    key['mesh'] = cfg.mesh
   choice = auto.choose(build, *args, budget=budget, target='cpu', num_layers=task.num_layers,
-                       cache_key=key, log=log)
+                       cache_key=key, log=log, shardings=shardings)
   log(f'remat: {choice.summary()}')
   return choice
 

@@ -202,7 +202,7 @@ def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
   auto_choice = None
   if policy is None:
     from training.autoremat import choose_for_run
-    auto_choice = choose_for_run(cfg, named, task, size, log)
+    auto_choice = choose_for_run(cfg, named, task, size, log, place)
     policy = get_policy(auto_choice.spec, num_layers=task.num_layers)
   try:
     out.mkdir(parents=True, exist_ok=True)
