@@ -9,6 +9,29 @@ import os
 if '--xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                              ' --xla_backend_optimization_level=0').strip()
+# XLA CPU's MLIR fusion emitters take most of the rest of a small program's compile (a 5-layer
+# test GPT: 3.3 s -> 1.1 s without them). The legacy emitters generate the same fusions' code
+# another way; buffer assignment moves by a few bytes (docs/testing.md). Older jaxlibs lack
+# the flag (and the emitters), and XLA aborts on flags it does not know.
+def _jaxlib_at_least(major: int, minor: int) -> bool:
+  from importlib.metadata import version
+  try:
+    return tuple(int(p) for p in version('jaxlib').split('.')[:2]) >= (major, minor)
+  except ValueError:
+    return False
+
+
+if ('--xla_cpu_use_fusion_emitters' not in os.environ.get('XLA_FLAGS', '')
+    and _jaxlib_at_least(0, 6)):
+  os.environ['XLA_FLAGS'] += ' --xla_cpu_use_fusion_emitters=false'
+# The legacy emitters' code for an operation depends on the fusion around it (measured: the same
+# initial weights under two policies, or a train step with and without the NaN guard, differ in
+# the last bit of a few elements). Tests of bit-equality between two different programs compile
+# with XLA's default emitters, as users run: jax.jit(f, compiler_options=DEFAULT_EMITTERS).
+# (xdist workers inherit the controller's XLA_FLAGS, so this reads the flags as they are now.)
+DEFAULT_EMITTERS = ({'xla_cpu_use_fusion_emitters': True}
+                    if '--xla_cpu_use_fusion_emitters=false' in os.environ.get('XLA_FLAGS', '')
+                    else {})
 # The tests measure the CPU backend; GPU targets are compiled for explicitly (remat.targets),
 # so an installed jax-cuda12 plugin must not become the default backend.
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')

@@ -58,6 +58,7 @@ def test_device_peak_needs_a_gpu(capsys):
   assert 'needs an attached GPU' in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_vision_reports(tmp_path, capsys):
   out = tmp_path / 'r.json'
   assert report.main(['--model', 'resnet', '--batch-size', '2', '--image-size', '64',

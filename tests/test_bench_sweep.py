@@ -25,6 +25,7 @@ def test_depth_sweep_slopes():
   assert sweep['slopes']['sqrt'] <= 0.6
 
 
+@pytest.mark.slow
 def test_resolution_sweep_slopes(capsys):
   # Activations of a convnet grow as the image area: slope ~2 against the side S.
   from bench.sweep import resolution_sweep

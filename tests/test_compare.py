@@ -95,6 +95,7 @@ def test_host_malloc_reads_glibc_tunables(tunables, expected):
   assert compare.host_malloc(environ) == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('argv,families,skipped', [
     (['--model', 'vit', '--config', 'vit-tiny', '--batch-size', '2', '--families', 'none,block'],
      ['none', 'block'], []),

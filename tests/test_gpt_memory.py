@@ -68,7 +68,8 @@ def wide():
   return params, windows
 
 
-@pytest.mark.parametrize('spec', ['none', 'full', 'sqrt'])
+@pytest.mark.parametrize('spec', ['full', pytest.param('none', marks=pytest.mark.slow),
+                                  pytest.param('sqrt', marks=pytest.mark.slow)])
 def test_chunked_loss_and_gradients_equal_plain(wide, spec):
   params, windows = wide
   rng = jax.random.PRNGKey(5)   # dropout on: the same masks on both paths

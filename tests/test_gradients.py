@@ -29,7 +29,15 @@ def reference(small_config, small_params, windows):
   return _value_and_grad(small_config, 'none', small_params, windows)
 
 
-@pytest.mark.parametrize('spec', [s for s in ALL if s != 'none'])
+# One spec of each kind in the default suite (a rule, a tag list, a preset, an offload, each
+# segmenting, a rule on segments, a mix of rules, a tag list on segments, the convnet rule on
+# a transformer); the whole matrix with -m slow.
+DEFAULT = {'full', 'dots', 'dots_no_batch', 'minimal', 'qkv_proj_offloaded', 'sqrt', 'seg:3',
+           'full@sqrt', 'names:context,mlpwi@seg:2', 'offload:out_proj@sqrt', 'stage', 'convs'}
+
+
+@pytest.mark.parametrize('spec', [s if s in DEFAULT else pytest.param(s, marks=pytest.mark.slow)
+                                  for s in ALL if s != 'none'])
 def test_loss_and_gradients_match_none(spec, small_config, small_params, windows, reference):
   loss, grads = _value_and_grad(small_config, spec, small_params, windows)
   ref_loss, ref_grads = reference

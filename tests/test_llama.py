@@ -224,6 +224,7 @@ def test_every_policy_gives_the_gradients_of_none(policy):
   assert_trees_close(grads, ref_grads)
 
 
+@pytest.mark.slow
 def test_chunked_loss_equals_the_plain_loss():
   """The output layer in chunks (the 128k-vocab path) gives the plain loss and gradients."""
   for tied in (False, True):

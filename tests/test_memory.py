@@ -87,6 +87,7 @@ def _grad_temp(num_layers: int, spec: str) -> int:
   return grad_memory(cfg, spec, 8, 128, get_target('cpu')).temp
 
 
+@pytest.mark.slow
 def test_a_remainder_segment_costs_more_than_a_layer():
   # seg:3 on 8 layers leaves a remainder of 2: its sliced-off variables make XLA
   # concatenate the stack's gradient (a copy), more than a ninth layer costs.

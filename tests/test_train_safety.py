@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from configs import load_config
+from conftest import DEFAULT_EMITTERS
 from models.gpt import GPT, GPTConfig
 from training import checkpoints as ckpt
 from training import cli, rundir
@@ -98,8 +99,10 @@ def test_guarded_step_equals_plain_step_and_keeps_state_on_nan(windows):
   model = GPT(GPTConfig(vocab_size=256, max_len=16, num_layers=2, num_heads=1, d_model=8), 'sqrt')
   tx = st.make_optimizer(3e-3, 10, 2, 0.1, 1.0)
   state = st.init_state(model, tx, 0, 16)
-  plain_state, plain_loss = jax.jit(st.make_train_step(model, tx, 0))(state, windows)
-  guarded = jax.jit(st.make_train_step(model, tx, 0, guard=True))
+  plain_state, plain_loss = jax.jit(st.make_train_step(model, tx, 0),
+                                    compiler_options=DEFAULT_EMITTERS)(state, windows)
+  guarded = jax.jit(st.make_train_step(model, tx, 0, guard=True),
+                    compiler_options=DEFAULT_EMITTERS)
   new, stats = guarded(state, windows)
   assert float(stats[0]) == float(plain_loss) and np.isfinite(float(stats[1]))
   for a, b in zip(jax.tree_util.tree_leaves(new), jax.tree_util.tree_leaves(plain_state)):

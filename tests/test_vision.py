@@ -180,6 +180,7 @@ WIDE = ResNetConfig(embedding_size=4, hidden_sizes=(64, 128), depths=(3, 3),
                     layer_type='bottleneck', num_classes=5, image_size=32)
 
 
+@pytest.mark.slow
 def test_resnet_memory_ordering_on_cpu():
   t = {s: _temp(WIDE, s, 4, 128) for s in ('none', 'convs', 'save_conv_narrow', 'full')}
   assert t['full'] < t['save_conv_narrow'] < t['convs'] < t['none']
@@ -205,6 +206,7 @@ def test_stage_saves_in_a_gpu_plan():
   assert t['stage'] < 0.8 * t['none']
 
 
+@pytest.mark.slow
 def test_one_iteration_loops_keep_their_remat_on_cpu():
   # Without CPU_COMPILER_OPTIONS, XLA inlines the one-iteration scans of 'stage' and the CPU
   # backend keeps the activations: the saving vanishes. With them it holds.
