@@ -30,6 +30,7 @@ MaxText presets select them as MaxText users know them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import flax.linen as nn
@@ -54,8 +55,6 @@ TAGS = {
     'out_proj': 'attention output projection, [B, T, D]',
     'mlpwi_0': 'MLP gate projection, before SiLU, [B, T, F]',
     'mlpwi_1': 'MLP up projection, [B, T, F]',
-    'mlp_hidden': 'silu(gate) * up, the down projection input, [B, T, F]: saving it instead of '
-                  'mlpwi_0 and mlpwi_1 keeps half the bytes but recomputes both MLP input matmuls',
     'mlpwo': 'MLP down projection, [B, T, D]',
 }
 
@@ -250,8 +249,58 @@ class Attention(nn.Module):
     return checkpoint_name(out, 'out_proj')
 
 
+@jax.custom_jvp
+def swiglu_down(gate, up, kernel):
+  """SwiGLU's down projection ``(silu(gate) * up) @ kernel``, keeping only ``gate`` and ``up``.
+
+  Same values as the ops written out. Differentiated as written, the backward
+  pass would keep six ``[.., F]`` arrays per layer (``gate``, ``up``,
+  ``sigmoid(gate)``, its slope, ``silu(gate)`` and the product, the matmul's
+  input for its weight gradient), where PyTorch keeps four (``gate``,
+  ``silu(gate)``, ``up``, the product). This rule keeps ``gate`` and ``up``
+  alone: its tangent is a ``jax.checkpoint`` that rebuilds the rest from them,
+  elementwise, in the backward pass; no matmul is recomputed. The forward
+  matmul stays a plain ``dot_general``, so ``dots`` policies still see (and
+  may save) its output.
+  """
+  return _swiglu_down_apply(gate, up, kernel)
+
+
+def _swiglu_down_apply(gate, up, kernel):
+  return jnp.dot(gate * jax.nn.sigmoid(gate) * up, kernel)   # nn.silu(gate) * up, as HF
+
+
+@functools.partial(jax.checkpoint, prevent_cse=False)
+def _swiglu_down_tangent(gate, up, kernel, d_gate, d_up, d_kernel):
+  # A checkpoint saves its inputs alone. prevent_cse=False: the forward's silu(gate) lives in
+  # another loop (or the same recompute), so XLA's CSE cannot stretch its lifetime.
+  sig = jax.nn.sigmoid(gate)
+  silu = gate * sig
+  # silu'(g) = s + g s (1 - s) = s (1 + g (1 - s))
+  d_hidden = sig * (1 + gate * (1 - sig)) * d_gate * up + silu * d_up
+  return jnp.dot(d_hidden, kernel) + jnp.dot(silu * up, d_kernel)
+
+
+@swiglu_down.defjvp
+def _swiglu_down_jvp(primals, tangents):
+  gate, up, kernel = primals
+  return _swiglu_down_apply(gate, up, kernel), _swiglu_down_tangent(gate, up, kernel, *tangents)
+
+
+class SwiGLUDown(nn.Module):
+  """``Dense(features)(silu(gate) * up)``: the same ``kernel`` and values, leaner derivative (:func:`swiglu_down`)."""
+  features: int
+  dtype: str = 'float32'
+
+  @nn.compact
+  def __call__(self, gate, up):
+    kernel = self.param('kernel', nn.initializers.normal(_INIT_STD), (gate.shape[-1], self.features),
+                        jnp.float32)
+    return swiglu_down(gate, up, kernel.astype(self.dtype))
+
+
 class MLP(nn.Module):
-  """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+  """SwiGLU: ``down(silu(gate(x)) * up(x))``; the backward pass keeps ``gate`` and ``up`` alone."""
   config: LlamaConfig
 
   @nn.compact
@@ -259,8 +308,7 @@ class MLP(nn.Module):
     cfg = self.config
     gate = checkpoint_name(Dense(cfg.mlp_dim, cfg.dtype, name='gate_proj')(x), 'mlpwi_0')
     up = checkpoint_name(Dense(cfg.mlp_dim, cfg.dtype, name='up_proj')(x), 'mlpwi_1')
-    hidden = checkpoint_name(nn.silu(gate) * up, 'mlp_hidden')
-    return checkpoint_name(Dense(cfg.d_model, cfg.dtype, name='down_proj')(hidden), 'mlpwo')
+    return checkpoint_name(SwiGLUDown(cfg.d_model, cfg.dtype, name='down_proj')(gate, up), 'mlpwo')
 
 
 class Block(nn.Module):

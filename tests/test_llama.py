@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from configs import config_names, load_config
-from models.llama import (TAGS, Llama, LlamaConfig, RopeScaling, apply_rotary, output_embedding,
-                          rope_frequencies, rotary_tables)
+from models.llama import (TAGS, Llama, LlamaConfig, RopeScaling, SwiGLUDown, apply_rotary,
+                          output_embedding, rope_frequencies, rotary_tables)
 from numerics import assert_trees_close
 from remat.policies import registered_specs
 from training.tasks import Task
@@ -74,6 +74,37 @@ def test_shapes_and_parameter_tree():
   assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(params))
 
 
+def test_swiglu_down_rule():
+  """SwiGLUDown is Dense(silu(gate) * up): same kernel and values, gradients within rounding,
+  and the backward pass keeps gate and up alone where the plain ops keep six [.., F] arrays."""
+  import flax.linen as nn
+  from remat.residuals import saved_residuals
+  rng = np.random.default_rng(0)
+  gate, up = (jnp.asarray(rng.normal(size=(3, 5, 16)) * 2.0, jnp.float32) for _ in range(2))
+  ours = SwiGLUDown(8)
+  variables = ours.init(jax.random.PRNGKey(0), gate, up)
+  assert variables['params']['kernel'].shape == (16, 8)
+  plain = lambda v, g, u: jnp.dot(nn.silu(g) * u, v['params']['kernel'])
+  np.testing.assert_array_equal(ours.apply(variables, gate, up), plain(variables, gate, up))
+  loss = lambda f: lambda v, g, u: jnp.sum(jnp.sin(f(v, g, u)))
+  assert_trees_close(jax.grad(loss(ours.apply), argnums=(0, 1, 2))(variables, gate, up),
+                     jax.grad(loss(plain), argnums=(0, 1, 2))(variables, gate, up))
+  # A linear loss keeps only what the layer itself needs; gate and up depend on a parameter.
+  linear = lambda f: lambda p, g, u: jnp.sum(f(p['v'], g * p['a'], u * p['a']))
+  params = {'v': variables, 'a': jnp.float32(1.5)}
+  wide = lambda f: [r for r in saved_residuals(linear(f), params, gate, up) if r.shape == gate.shape]
+  assert len(wide(ours.apply)) == 2 and len(wide(plain)) == 6, (wide(ours.apply), wide(plain))
+
+
+def test_no_remat_keeps_only_gate_and_up_in_the_mlp():
+  """In the whole model, without remat: two [B, T, F] arrays per layer, the tagged gate and up."""
+  from remat.residuals import saved_residuals
+  task = Task(CFG)
+  loss = lambda p, w: task.loss(task.model('none'), p, {}, w)[0]
+  wide = [r for r in saved_residuals(loss, _params(), _windows()) if r.shape[-1] == CFG.mlp_dim]
+  assert len(wide) == 2, wide
+
+
 def test_too_long_a_sequence_is_one_line():
   with pytest.raises(ValueError, match='sequence length 17 exceeds the model max_len 16'):
     Llama(CFG).apply({'params': _params()}, jnp.zeros((1, 17), jnp.int32))
@@ -101,7 +132,7 @@ def test_maxtext_minimal_saves_the_gated_mlp_inputs(preset):
   # The gate and up projections are kept: SiLU's and the product's backward read them.
   b, f = _windows().shape[0] * T, CFG.mlp_dim
   assert got['mlpwi_0'] == got['mlpwi_1'] == CFG.num_layers * b * f * 4
-  assert set(got) - {'(untagged)'} <= set(PRESETS[preset][1]) and 'mlp_hidden' not in got
+  assert set(got) - {'(untagged)'} <= set(PRESETS[preset][1])
   assert got == saved(explicit)   # the preset is exactly its tags on this model
   assert ('context' in got) == (preset == 'minimal_with_context')
 
@@ -206,12 +237,12 @@ def test_shipped_configs_load():
 
 # One of each kind in the default suite (per-layer rule, tags, segmenting, both); the rest
 # with -m slow.
-_DEFAULT_SPECS = {'full', 'dots', 'names:context,mlp_hidden', 'sqrt', 'dots@seg:2'}
+_DEFAULT_SPECS = {'full', 'dots', 'names:context,mlpwi_1', 'sqrt', 'dots@seg:2'}
 
 
 def _policies():
   specs = registered_specs(('query_proj', 'mlpwi_0'), model_tags=TAGS) + [
-      'names:context,mlp_hidden', 'sqrt', 'seg:2', 'full@sqrt', 'dots@seg:2']
+      'names:context,mlpwi_1', 'sqrt', 'seg:2', 'full@sqrt', 'dots@seg:2']
   return [s if s in _DEFAULT_SPECS else pytest.param(s, marks=pytest.mark.slow)
           for s in specs if s != 'none']
 
@@ -263,7 +294,7 @@ def test_bfloat16_runs_with_float32_weights_and_gradients():
 
 @pytest.mark.parametrize('policy', ['full', 'full@sqrt'] + [
     pytest.param(s, marks=pytest.mark.slow)
-    for s in ('dots', 'save_qkv_proj', 'names:context,mlp_hidden', 'sqrt')])
+    for s in ('dots', 'save_qkv_proj', 'names:context,mlpwi_1', 'sqrt')])
 def test_bfloat16_every_policy_close_to_none(policy):
   loss, grads = _loss_and_grads(BF16, policy)
   ref_loss, ref_grads = _loss_and_grads(BF16, 'none')
