@@ -288,14 +288,17 @@ def _swiglu_down_jvp(primals, tangents):
 
 
 class SwiGLUDown(nn.Module):
-  """``Dense(features)(silu(gate) * up)``: the same ``kernel`` and values, leaner derivative (:func:`swiglu_down`)."""
+  """``Dense(features)(silu(gate) * up)``: the same ``kernel`` and values, a leaner derivative.
+
+  The backward pass keeps ``gate`` and ``up`` alone (:func:`swiglu_down`).
+  """
   features: int
   dtype: str = 'float32'
 
   @nn.compact
   def __call__(self, gate, up):
-    kernel = self.param('kernel', nn.initializers.normal(_INIT_STD), (gate.shape[-1], self.features),
-                        jnp.float32)
+    shape = (gate.shape[-1], self.features)
+    kernel = self.param('kernel', nn.initializers.normal(_INIT_STD), shape, jnp.float32)
     return swiglu_down(gate, up, kernel.astype(self.dtype))
 
 

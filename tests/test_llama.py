@@ -92,7 +92,8 @@ def test_swiglu_down_rule():
   # A linear loss keeps only what the layer itself needs; gate and up depend on a parameter.
   linear = lambda f: lambda p, g, u: jnp.sum(f(p['v'], g * p['a'], u * p['a']))
   params = {'v': variables, 'a': jnp.float32(1.5)}
-  wide = lambda f: [r for r in saved_residuals(linear(f), params, gate, up) if r.shape == gate.shape]
+  wide = lambda f: [r for r in saved_residuals(linear(f), params, gate, up)
+                    if r.shape == gate.shape]
   assert len(wide(ours.apply)) == 2 and len(wide(plain)) == 6, (wide(ours.apply), wide(plain))
 
 
