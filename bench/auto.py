@@ -155,16 +155,19 @@ def main(argv=None) -> int:
             f'policies ({"all" if not args.stock else "given"}), {compiled} of them compiled; '
             f'{stock_seconds:.0f} s in all')
   print(header)
-  print(f"{'budget':<12}{'limit':>11}{'chosen':<46}{'peak':>11}{'recomp':>8}  "
+  print(f"{'budget':<12}{'limit':>11} {'chosen':<45}{'peak':>11}{'recomp':>8}  "
         f"{'best stock':<22}{'peak':>11}{'recomp':>8}{'plans':>6}{'cold':>7}{'cached':>8}")
   for r in rows:
     if 'error' in r:
       print(f"{r['budget']:<12} {r['error']}")
       continue
+    # '-': no stock policy was compared (--no-stock) or none of them fits the budget.
+    best = r['best_stock']
+    stock_cols = (f"{best:<22}{format_bytes(r['stock_peak']):>11}{r['stock_recompute']:>7.3f}x"
+                  if best else f"{'-':<22}{'-':>11}{'-':>8}")
     print(f"{r['budget']:<12}{format_bytes(r['budget_bytes']):>11} {r['chosen']:<45}"
-          f"{format_bytes(r['peak']):>11}{r['recompute']:>7.3f}x  {str(r['best_stock']):<22}"
-          f"{format_bytes(r['stock_peak'] or 0):>11}{(r['stock_recompute'] or 0):>7.3f}x"
-          f"{r['cold_seconds']:>6.0f}s{r['cached_seconds']:>7.2f}s")
+          f"{format_bytes(r['peak']):>11}{r['recompute']:>7.3f}x  {stock_cols}"
+          f"{r['plans_compiled']:>6}{r['cold_seconds']:>6.0f}s{r['cached_seconds']:>7.2f}s")
   if args.json:
     with open(args.json, 'w') as f:
       json.dump({'header': header, 'stock': stock, 'rows': rows}, f, indent=1)
