@@ -63,7 +63,10 @@ def reference_step(small_config, small_params, windows):
   return _one_step(small_config, 'none', small_params, windows)
 
 
-@pytest.mark.parametrize('spec', ['full', 'sqrt', 'full@seg:3', 'minimal', 'offload:query_proj'])
+# One optimizer step per policy kind is covered by the gradient cases above; full and minimal here,
+# the rest with -m slow.
+@pytest.mark.parametrize('spec', ['full', 'minimal'] + [
+    pytest.param(s, marks=pytest.mark.slow) for s in ('sqrt', 'full@seg:3', 'offload:query_proj')])
 def test_one_optimizer_step_matches_none(spec, small_config, small_params, windows, reference_step):
   state, loss = _one_step(small_config, spec, small_params, windows)
   ref_state, ref_loss = reference_step

@@ -147,7 +147,9 @@ def vision_reference():
   return get
 
 
-_VISION_DEFAULT = {('vit', 'full'), ('resnet', 'stage')}
+# ResNet's cases (its `none` reference alone compiles for ~15 s) with -m slow; ResNet in bfloat16
+# stays in the default suite through test_resnet_runs_in_bfloat16.
+_VISION_DEFAULT = {('vit', 'full')}
 
 
 @pytest.mark.parametrize('name,spec', [c if c in _VISION_DEFAULT else

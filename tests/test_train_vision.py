@@ -31,6 +31,9 @@ def resnet_run(tmp_path_factory):
   return cfg, _rows(cfg.out)
 
 
+# Both ResNet runs share one 8-step training (about a minute on 2 cores): -m slow; ViT's
+# end-to-end training stays in the default suite.
+@pytest.mark.slow
 def test_resnet_trains_and_reports_accuracy(resnet_run):
   _, rows = resnet_run
   assert [r['step'] for r in rows] == list(range(1, 9))
@@ -39,6 +42,7 @@ def test_resnet_trains_and_reports_accuracy(resnet_run):
   assert np.isfinite([r['loss'] for r in rows]).all()
 
 
+@pytest.mark.slow
 def test_resnet_resume_restores_batch_stats(resnet_run, tmp_path, capsys):
   cfg, ref = resnet_run
   out = tmp_path / 'run'

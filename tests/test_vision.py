@@ -49,8 +49,7 @@ CASES = ([('vit', s) for s in VIT_SPECS] + [('resnet', s) for s in RESNET_SPECS]
 # the rest run with -m slow.
 DEFAULT_CASES = {('vit', 'full'), ('vit', 'dots'), ('vit', 'names:context,mlpwi'), ('vit', 'sqrt'),
                  ('vit', 'full@stage'), ('resnet', 'full'), ('resnet', 'convs'),
-                 ('resnet', 'sqrt'), ('resnet', 'stage'), ('resnet', 'convs@sqrt'),
-                 ('basic', 'stage')}
+                 ('resnet', 'stage'), ('resnet', 'convs@sqrt'), ('basic', 'stage')}
 
 
 def _batch(cfg, batch_size=4, size=None):
@@ -234,6 +233,7 @@ def test_vit_memory_ordering_on_cpu():
   assert t['dots'] <= 1.02 * t['none']
 
 
+@pytest.mark.slow   # ~20 s; batch statistics across policies stay in the gradient cases above
 def test_one_optimizer_step_updates_batch_stats_equally():
   params, model_state = _state(RESNET)
   batch = _batch(RESNET)
