@@ -208,11 +208,15 @@ class Dense(nn.Module):
   features: int
   dtype: str = 'float32'
 
+  def _kernel(self, in_features: int):
+    """The ``[in_features, features]`` kernel, created float32 and cast to ``dtype``."""
+    kernel = self.param('kernel', nn.initializers.normal(_INIT_STD), (in_features, self.features),
+                        jnp.float32)
+    return kernel.astype(self.dtype)
+
   @nn.compact
   def __call__(self, x):
-    kernel = self.param('kernel', nn.initializers.normal(_INIT_STD), (x.shape[-1], self.features),
-                        jnp.float32)
-    return jnp.dot(x.astype(self.dtype), kernel.astype(self.dtype))
+    return jnp.dot(x.astype(self.dtype), self._kernel(x.shape[-1]))
 
 
 class RMSNorm(nn.Module):
@@ -287,19 +291,15 @@ def _swiglu_down_jvp(primals, tangents):
   return _swiglu_down_apply(gate, up, kernel), _swiglu_down_tangent(gate, up, kernel, *tangents)
 
 
-class SwiGLUDown(nn.Module):
+class SwiGLUDown(Dense):
   """``Dense(features)(silu(gate) * up)``: the same ``kernel`` and values, a leaner derivative.
 
   The backward pass keeps ``gate`` and ``up`` alone (:func:`swiglu_down`).
   """
-  features: int
-  dtype: str = 'float32'
 
   @nn.compact
   def __call__(self, gate, up):
-    shape = (gate.shape[-1], self.features)
-    kernel = self.param('kernel', nn.initializers.normal(_INIT_STD), shape, jnp.float32)
-    return swiglu_down(gate, up, kernel.astype(self.dtype))
+    return swiglu_down(gate, up, self._kernel(gate.shape[-1]))
 
 
 class MLP(nn.Module):
