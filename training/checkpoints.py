@@ -10,18 +10,29 @@ Restore walks the steps newest first and takes the first that restores, whose
 arrays match the recorded digest and are finite; a damaged newer one is moved
 to ``<out>/damaged/`` (kept for inspection, out of the way of the steps the run
 re-saves) with a warning naming what was wrong.
+
+A save is one step that either completes or leaves only a temporary folder:
+SIGINT and SIGTERM wait for it to finish (then interrupt the run), and a full
+disk removes the partial folder and raises :class:`~training.rundir.DiskFullError`.
+Orbax's own reports of the failure are kept off the terminal
+(:mod:`training.orbax_noise`); the caller reports it in one line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import shutil
+import signal
+import threading
 from pathlib import Path
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+from training import orbax_noise, rundir
 
 MAX_TO_KEEP = 2
 TMP_SUFFIX = '.orbax-checkpoint-tmp'  # orbax's name for a step folder being written
@@ -118,9 +129,68 @@ def save(mngr: ocp.CheckpointManager, state, meta: dict, force: bool = False) ->
     raise CheckpointError(f'step {step}: non-finite values in {bad[0]}'
                           f'{f" and {len(bad) - 1} more arrays" if len(bad) > 1 else ""}; '
                           'not saved')
-  mngr.save(step, force=force, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave({**meta, 'digest': digest(whole)})))
+  args = ocp.args.Composite(state=ocp.args.StandardSave(state),
+                            meta=ocp.args.JsonSave({**meta, 'digest': digest(whole)}))
+  try:
+    with orbax_noise.quiet():
+      mngr.save(step, force=force, args=args)
+  except Exception as e:  # pylint: disable=broad-except
+    if not rundir.is_disk_full(e):
+      raise
+    orbax_noise.drop_closed_loop_tracebacks()
+    where = Path(mngr.directory)
+    for tmp in where.glob(f'{step}{TMP_SUFFIX}*'):  # give the space back; it is no checkpoint
+      shutil.rmtree(tmp, ignore_errors=True)
+    raise rundir.DiskFullError(f'no space left on device writing checkpoint {step} to {where} '
+                               f'({_free(where)} free after removing its partial files)') from None
   return True
+
+
+def _free(path: Path) -> str:
+  free = rundir.free_bytes(path)
+  return 'unknown' if free is None else f'{free / 2**20:.1f} MiB'
+
+
+def close(mngr: ocp.CheckpointManager):
+  """Closes ``mngr`` quietly (after a failed save its threads may still report)."""
+  with orbax_noise.quiet():
+    try:
+      mngr.close()
+    except Exception:  # pylint: disable=broad-except  (the failure was already reported)
+      pass
+
+
+@contextlib.contextmanager
+def deferred_interrupts():
+  """SIGINT and SIGTERM wait until the block ends, then raise KeyboardInterrupt.
+
+  Wraps a save: an interrupt in the middle would leave orbax's writer threads
+  running while the interpreter shuts down (a traceback after the clean
+  "interrupted" line). A second signal interrupts at once; the temporary
+  folder it leaves is no checkpoint, and the next run removes it.
+  """
+  if threading.current_thread() is not threading.main_thread():
+    yield  # signal handlers can only be set from the main thread
+    return
+  got = []
+
+  def handler(signum, frame):
+    if got:
+      raise KeyboardInterrupt
+    got.append(signum)
+  old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    yield
+  finally:
+    for s, h in old.items():
+      signal.signal(s, h)
+  if got:
+    raise KeyboardInterrupt
+
+
+def set_aside(out: Path, step: int) -> Path:
+  """Moves checkpoint ``step`` to ``<out>/damaged/`` (kept, out of the rotation); returns where."""
+  return _set_aside(out, step)
 
 
 def read_meta(out: Path) -> tuple[int, dict] | None:
@@ -158,7 +228,10 @@ def restore(out: Path, state_shape, warn) -> tuple[object, dict]:
       continue
     return state, meta
   raise CheckpointError(f'--resume: no intact checkpoint in {folder(out)}'
-                        + (f" ({'; '.join(problems)})" if problems else ''))
+                        + (f" ({'; '.join(problems)})" if problems else '')
+                        + f'; they are kept in {out / rundir.DAMAGED_NAME}; pass --restart to '
+                        'start the run over on purpose (its files move to '
+                        f'{out / rundir.PREVIOUS_NAME}/), or --out for a new run')
 
 
 def _restore(out: Path, step: int, **items):
@@ -194,13 +267,13 @@ def _verify(state, meta: dict):
 
 
 def _set_aside(out: Path, step: int) -> Path:
-  dest = out / 'damaged' / str(step)
+  dest = out / rundir.DAMAGED_NAME / str(step)
   if jax.process_index() != 0:  # one process moves it; the others only skip it
     return dest
   n = 1
   while dest.exists():
     n += 1
-    dest = out / 'damaged' / f'{step}.{n}'
+    dest = out / rundir.DAMAGED_NAME / f'{step}.{n}'
   dest.parent.mkdir(exist_ok=True)
   shutil.move(str(folder(out) / str(step)), dest)
   return dest

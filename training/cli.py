@@ -30,6 +30,12 @@ _FLAGS = {  # flag -> (type, help); defaults come from the named config, then Tr
     'skip_nonfinite': (int, 'skip up to N steps in a row whose loss or gradients are not finite '
                             '(their update is dropped); the next one stops the run (exit 3). '
                             '0: stop at the first'),
+    'spike_factor': (float, 'loss guard (docs/training-safety.md): a loss above both this factor '
+                            'times and --spike-margin nats over the median of the last 20 healthy '
+                            'steps is a spike (default 2; inf: off)'),
+    'spike_margin': (float, 'loss guard: see --spike-factor (default 1)'),
+    'spike_patience': (int, 'loss guard: this many spikes in a row stop the run (exit 3) before '
+                            'the blown-up state is saved (default 3)'),
 }
 
 
@@ -61,7 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
                  help="text file or folder of text files (default: this Python's stdlib source)")
   p.add_argument('--out', default=None, metavar='DIR',
                  help='output folder for metrics.jsonl and checkpoints (default: runs/CONFIG-SPEC)')
-  p.add_argument('--resume', action='store_true', help='continue from the latest checkpoint in --out')
+  again = p.add_mutually_exclusive_group()
+  again.add_argument('--resume', action='store_true',
+                     help='continue from the latest checkpoint in --out')
+  again.add_argument('--restart', action='store_true',
+                     help="start the run in --out over from step 0, with its recorded settings "
+                          "(flags override them); its previous files move to --out/previous/N/")
+  p.add_argument('--allow-changed', default=None, metavar='NAME,...',
+                 help='with --resume: accept these changed settings (e.g. batch_size,lr) and '
+                      "record the change in the run's history; a resume refuses any other "
+                      'change to a setting that enters the computation')
   p.add_argument('--init-from', default=None, metavar='HF_FOLDER',
                  help='start from the weights of a Hugging Face save_pretrained folder (GPT-2, ViT, '
                       'ResNet; safetensors); without --config, the shipped config of its shape')
@@ -77,7 +92,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
   valid = {f.name for f in dataclasses.fields(TrainConfig)}
   flags = {k: v for k, v in vars(args).items() if v is not None and k in valid}
   recorded = {}
-  if args.resume:
+  if args.resume or args.restart:
     known = {k: v for k, v in flags.items() if k in ('config', 'remat', 'out', 'dtype')}
     known.setdefault('config', default_config(args.model))
     meta = read_meta(TrainConfig(**known).out_dir) or {}

@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,8 +21,10 @@ from remat.auto_budget import is_auto, parse_budget
 from remat.policies import Policy, get_policy
 from training import checkpoints as ckpt
 from training import mesh as meshlib
+from training import resume_check
 from training import rundir
 from training import steps as st
+from training.guard import GuardConfig, LossGuard
 from training.data import load_text
 from training.images import load_images
 from training.tasks import Task
@@ -36,7 +37,9 @@ class TrainConfig:
   ``seq_len`` applies to GPT configs, ``image_size`` to vision configs (None:
   the model config's image size). ``model``, if set, is the arch the config
   must have. ``dtype`` (None: the model config's) overrides the model config's
-  compute dtype (docs/precision.md).
+  compute dtype (docs/precision.md). ``restart`` and ``allow_changed`` act on
+  one invocation and are not recorded; ``spike_*`` are the loss guard's
+  thresholds (:mod:`training.guard`).
   """
   config: str = 'tiny'
   remat: str = 'sqrt'
@@ -61,6 +64,11 @@ class TrainConfig:
   skip_nonfinite: int = 0
   mesh: str | None = None  # --mesh AXIS=N,...; None: one device (training/mesh.py)
   dtype: str | None = None
+  restart: bool = False
+  allow_changed: str | None = None  # --allow-changed a,b: compared settings a resume may change
+  spike_factor: float = GuardConfig.factor
+  spike_margin: float = GuardConfig.margin
+  spike_patience: int = GuardConfig.patience
 
   @property
   def out_dir(self) -> Path:
@@ -84,7 +92,8 @@ def _flag(name: str) -> str:
 
 
 def _check_positive(cfg: TrainConfig):
-  for name in ('steps', 'batch_size', 'seq_len', 'eval_every', 'eval_batches', 'save_every'):
+  for name in ('steps', 'batch_size', 'seq_len', 'eval_every', 'eval_batches', 'save_every',
+               'spike_patience'):
     if getattr(cfg, name) < 1:
       raise RunError(f'{_flag(name)} must be >= 1, got {getattr(cfg, name)}')
   for name in ('warmup_steps', 'skip_nonfinite'):
@@ -97,6 +106,14 @@ def _check_positive(cfg: TrainConfig):
     if not (math.isfinite(value) and (value > low if strict else value >= low)):
       raise RunError(f"{_flag(name)} must be a finite number {'>' if strict else '>='} {low:g}, "
                      f'got {value}')
+  # The guard's thresholds may be inf (the guard off), never NaN or below their floor.
+  for name, low in (('spike_factor', 1.0), ('spike_margin', 0.0)):
+    if not getattr(cfg, name) >= low:
+      raise RunError(f'{_flag(name)} must be >= {low:g} (inf turns the guard off), got '
+                     f'{getattr(cfg, name)}')
+  if cfg.resume and cfg.restart:
+    raise RunError('--resume continues a run and --restart starts it over; pass one of them')
+  resume_check.parse_allowed(cfg.allow_changed)
 
 
 def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
@@ -164,9 +181,16 @@ def memory_line(policy: Policy, mem: MemoryStats, base: MemoryStats) -> str:
 
 
 def read_meta(out: Path) -> dict | None:
-  """The run record of ``out``'s newest readable checkpoint, or None if it has none."""
+  """The run record of ``out``'s newest readable checkpoint, else of ``<out>/run.json``, or None.
+
+  ``run.json`` answers when no checkpoint is left (all damaged, or none
+  completed yet): the run's settings outlive its checkpoints.
+  """
   got = ckpt.read_meta(out)
-  return None if got is None else got[1]
+  if got is not None:
+    return got[1]
+  record = rundir.read_record(out)
+  return record.get('meta') if record else None
 
 
 def _warn(message: str):
@@ -192,7 +216,8 @@ def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
   rundir.check_out(out)
   # A folder with a lock file was started by a run, which may have died before its first
   # save: --resume starts that one over. Anything else without checkpoints is a wrong --out.
-  if cfg.resume and not ((out / 'checkpoints').is_dir() or (out / rundir.LOCK_NAME).exists()):
+  if cfg.resume and not ((out / 'checkpoints').is_dir() or (out / rundir.LOCK_NAME).exists()
+                         or (out / rundir.RECORD_NAME).exists()):
     raise RunError(f"--resume: no checkpoint in {out / 'checkpoints'}")
   pretrained = None
   if cfg.init_from and not cfg.resume:
@@ -213,29 +238,41 @@ def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
                          auto_choice)
 
 
-def _check_record(cfg: TrainConfig, named: NamedConfig, out: Path) -> int | None:
-  """Checks the settings against the newest checkpoint's record; returns its step (None: none).
+def _check_record(cfg: TrainConfig, named: NamedConfig, out: Path) -> tuple[int | None, dict]:
+  """Checks the settings against the newest checkpoint's record.
 
   Runs before anything is compiled or restored, so a wrong flag costs nothing.
+
+  Returns:
+    (the newest checkpoint's step, None if there is none; the compared
+    settings that changed, all allowed by ``--allow-changed``).
   """
   saved = ckpt.steps(out)
-  if saved and not cfg.resume:
-    raise RunError(f'{out} already holds checkpoints; pass --resume to continue it or --out for '
-                   'a new run')
+  held = rundir.history(out, rundir.read_record(out))
+  if not cfg.resume and (saved or held):
+    raise RunError(f'{out} already holds a run ({f"checkpoint {saved[0]}" if saved else held}); '
+                   'pass --resume to continue it, --restart to start it over (its files move to '
+                   f'{out / rundir.PREVIOUS_NAME}/), or --out for a new run')
   if not saved:
-    return None
+    if held:  # every checkpoint is gone: a resume must not quietly become a new run
+      raise RunError(f'--resume: no checkpoint left in {out / "checkpoints"} although {held}; '
+                     f'damaged ones are kept in {out / rundir.DAMAGED_NAME}; pass --restart to '
+                     f'start the run over on purpose (its files move to '
+                     f'{out / rundir.PREVIOUS_NAME}/), or --out for a new run')
+    return None, {}
   got = ckpt.read_meta(out)
   if got is None:
-    return saved[0]  # no readable record: restore reports each checkpoint's problem
+    return saved[0], {}  # no readable record: restore reports each checkpoint's problem
   step, meta = got
-  recorded = meta.get('train', {})
   for what, was, now in (('config', meta.get('config'), named.name),
-                         ('model', meta.get('arch'), named.arch),
-                         ('data', recorded.get('data'), cfg.data)):
-    if was != now and not (what == 'data' and was and now and
-                           os.path.realpath(was) == os.path.realpath(now)):
+                         ('model', meta.get('arch'), named.arch)):
+    if was != now:
       raise RunError(f'--resume: {out} was trained with --{what} {was}, not {now}; drop '
                      f'--{what} (or pass --{what} {was}), or pass another --out for a new run')
+  changed = resume_check.check(
+      resume_check.changes(meta.get('train', {}), dataclasses.asdict(cfg),
+                           _defaults(TrainConfig), Task(named.model).is_vision),
+      resume_check.parse_allowed(cfg.allow_changed), out)
   # The record went through JSON, which turns tuples (a ResNet's stage widths) into lists; a
   # field added to the config after the run was saved reads as its default (float32 for dtype).
   # The dtype is not shape: checked on its own.
@@ -251,7 +288,7 @@ def _check_record(cfg: TrainConfig, named: NamedConfig, out: Path) -> int | None
   if step > cfg.steps:
     raise RunError(f'--resume: {out} is at step {step}, past --steps {cfg.steps}; pass --steps '
                    f'above {step} to train further')
-  return step
+  return step, changed
 
 
 def _defaults(config_cls) -> dict:
@@ -261,15 +298,23 @@ def _defaults(config_cls) -> dict:
 
 # Config fields that change how a model computes (memory, time, rounding), not its weights.
 NUMERICS_FIELDS = ('attention', 'dtype', 'loss_chunk')
+# Settings of one invocation, not of the run: never recorded, never read back.
+NOT_RECORDED = ('resume', 'restart', 'allow_changed')
 
 
 def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
                   place: meshlib.Placement, auto_choice=None) -> list[dict]:
   out = cfg.out_dir
-  saved_step = _check_record(cfg, named, out)
+  event = 'start'
+  if cfg.restart and place.is_primary:
+    moved = rundir.set_previous_aside(out)
+    if moved is not None:
+      log(f'restart: the previous files of {out} moved to {moved}')
+      event = f'restart (previous files in {moved.relative_to(out)})'
+  saved_step, changed = _check_record(cfg, named, out)
   if cfg.resume and saved_step is None:  # the run was killed before its first save completed
     warn(f'no complete checkpoint in {out} (the run ended before its first save); starting '
-         'from step 0')
+         "from step 0 with the run's recorded settings")
   batch_at, val = data
   log(f'model: {named.name} ({named.description}) | dtype: {named.model.dtype} | policy: '
       f'{policy.spec}: {policy.description}')
@@ -279,9 +324,14 @@ def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
   state_shape, batch_shape = st.abstract_inputs(model, tx, cfg.batch_size, size, cfg.seed)
   # Restore before compiling: a folder without an intact checkpoint, or one already at
   # --steps, is reported in seconds rather than after the compile.
+  saved = {}
   if saved_step is not None:
     state, saved = ckpt.restore(out, place.abstract(state_shape), warn)  # onto this mesh
     log(f"resumed step {int(state.step)} (saved under policy {saved['policy']})")
+    event = 'resume'
+    if changed:
+      log('resume: changed on purpose (--allow-changed): ' + ', '.join(
+          f'{resume_check.flag(k)} {was} -> {now}' for k, (was, now) in changed.items()))
   elif pretrained is not None:
     state = place.put_state(_pretrained_state(pretrained, tx))
     log(f'initialised from the Hugging Face checkpoint {cfg.init_from}')
@@ -299,22 +349,64 @@ def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
         task.model('none'), tx, cfg.seed, state_shape, batch_shape, guard=True)
     log(memory_line(policy, compiled_memory(step_fn), compiled_memory(base)))
 
+  # Changes accepted on resume travel in every later checkpoint's record (and run.json).
+  changes = list(saved.get('changes', [])) + (
+      [{'step': start, 'settings': changed}] if changed else [])
   meta = {'config': named.name, 'arch': named.arch, 'model': dataclasses.asdict(named.model),
           'policy': policy.spec,
           **({'auto': auto_choice.to_json()} if auto_choice else {}),
-          'train': {k: v for k, v in dataclasses.asdict(cfg).items() if k != 'resume'}}
-  metrics = rundir.MetricsLog(out, start) if place.is_primary else meshlib.NullMetrics()
-  mngr = ckpt.manager(out, cfg.save_every, writer=True)
+          'train': {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_RECORDED},
+          **({'changes': changes} if changes else {})}
+  uniform = math.log(task.config.num_classes if task.is_vision else task.config.vocab_size)
+  guard = LossGuard(GuardConfig(cfg.spike_factor, cfg.spike_margin, cfg.spike_patience),
+                    rundir.kept_rows(out, start), uniform)
+  if saved_step is not None:
+    guard.mark(start)  # a restored checkpoint is vouched for by the next healthy step
+  record = None
   try:
-    return _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, metrics,
-                 mngr, log, warn, place)
-  finally:
-    metrics.close()
-    mngr.close()
+    try:
+      if place.is_primary:
+        old = rundir.read_record(out) or {}
+        record = {'meta': meta, 'saved': start if saved_step is not None else None,
+                  'history': old.get('history', []) + [
+                      {'event': event, 'step': start, 'time': rundir.now(),
+                       **({'changed': changed} if changed else {})}]}
+        rundir.write_record(out, record)
+      metrics = rundir.MetricsLog(out, start) if place.is_primary else meshlib.NullMetrics()
+      mngr = ckpt.manager(out, cfg.save_every, writer=True)
+    except OSError as e:
+      raise rundir.DiskFullError(_disk_full_line(e, out)) if rundir.is_disk_full(e) else e
+    try:
+      rows = _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, metrics,
+                   mngr, log, warn, place, guard, record)
+    finally:
+      ckpt.close(mngr)
+      metrics.close()
+  except (OSError, rundir.DiskFullError) as e:
+    if not rundir.is_disk_full(e):
+      raise
+    raise rundir.DiskFullError(_disk_full_line(e, out)) from None
+  return rows
+
+
+def _disk_full_line(e: BaseException, out: Path) -> str:
+  """One line: which path is full, and which checkpoint is intact."""
+  what = None
+  while e is not None and what is None:
+    if isinstance(e, rundir.DiskFullError):
+      what = str(e)
+    elif isinstance(e, OSError) and e.filename:
+      what = f'no space left on device writing {e.filename}'
+    e = e.__cause__ or e.__context__
+  kept = ckpt.steps(out)
+  intact = (f'checkpoint {kept[0]} in {ckpt.folder(out)} is intact: free space there and rerun '
+            'with --resume' if kept else 'no checkpoint was written yet: free space there and '
+            'rerun')
+  return f"{what or f'no space left on device in {out}'}; {intact}"
 
 
 def _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, metrics, mngr,
-          log, warn, place) -> list[dict]:
+          log, warn, place, guard: LossGuard, record: dict | None) -> list[dict]:
   out = cfg.out_dir
   eval_step = st.make_eval_step(model)
   val = [place.put_batch(b) for b in val]
@@ -336,30 +428,53 @@ def _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, m
              f'{"images" if task.is_vision else "tokens"}_per_s': round(per_step / (t1 - t0), 1),
              'policy': policy.spec}
       bad_in_row = 0 if finite else bad_in_row + 1
+      spike = not guard.observe(step + 1, loss) and finite
       if not finite:
         row['skipped'] = bad_in_row <= cfg.skip_nonfinite  # else the run stops at this row
-      elif (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-        row.update(_evaluate(eval_step, state, val))
+      else:
+        if spike:
+          row['spike'] = True
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+          row.update(_evaluate(eval_step, state, val))
       metrics.write(row)
       rows.append(row)
       if bad_in_row > cfg.skip_nonfinite:
         metrics.sync()
-        raise DivergedError(_diverged(step + 1, loss, grad_norm, cfg, mngr, out))
+        raise DivergedError(_diverged(step + 1, loss, grad_norm, cfg) + _kept(guard, out))
+      if guard.stop:
+        metrics.sync()
+        raise DivergedError(guard.stop_line(step + 1, loss) + _kept(guard, out))
       if bad_in_row:
         warn(f'step {step + 1}: loss {loss:g}, gradient norm {grad_norm:g}: not finite; update '
              f'skipped ({bad_in_row} in a row, --skip-nonfinite {cfg.skip_nonfinite})')
+      if spike:
+        warn(guard.spike_line(step + 1, loss))
       bar.set_postfix(loss=f'{loss:.3f}', val=row.get('val_loss', '-'),
                       **{f'{unit}_s': f'{per_step / (t1 - t0):.0f}'})
       bar.update()
       last = step + 1 == cfg.steps
-      if last or mngr.should_save(step + 1):
+      # A checkpoint is written only after a healthy step (training/guard.py); other saves
+      # wait for the next. The final state's held-out loss, computed with it, may vouch for it.
+      due = last or mngr.should_save(step + 1)
+      if due and last and not (guard.last_healthy or guard.healthy(row.get('val_loss'))):
+        metrics.sync()
+        raise DivergedError(f'step {step + 1}, the last: loss {loss:g} is not healthy; the final '
+                            f'state was not saved{_kept(guard, out)}')
+      if due and (guard.last_healthy or last):
         metrics.sync()  # rows first: a checkpoint never holds a step whose row can be lost
-        try:
-          ckpt.save(mngr, state, meta, force=last)
-        except ckpt.CheckpointError as e:
-          raise DivergedError(f'{e}{_last_good(mngr, out)}') from None
+        with ckpt.deferred_interrupts():  # a save completes, then an interrupt is taken
+          try:
+            ckpt.save(mngr, state, meta, force=last)
+          except ckpt.CheckpointError as e:
+            raise DivergedError(f'{e}{_kept(guard, out)}') from None
+          guard.mark(step + 1)
+          if record is not None:
+            rundir.write_record(out, {**record, 'saved': step + 1})
       t0 = time.perf_counter()
   mngr.wait_until_finished()
+  problem = guard.end_problem() if rows else None
+  if problem:
+    raise DivergedError(problem)
   if rows and 'val_loss' in rows[-1]:
     last = rows[-1]
     what = (f"val loss {last['val_loss']:.3f}, val accuracy {last['val_accuracy']:.1%}"
@@ -369,19 +484,26 @@ def _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, m
   return rows
 
 
-def _last_good(mngr, out: Path) -> str:
-  step = mngr.latest_step()
-  if step is None:
-    return '; no checkpoint was written: lower --lr (or --grad-clip) and start again'
-  return (f'; checkpoint {step} in {out} is the last good one: lower --lr (or --grad-clip) and '
-          'continue from it with --resume')
+def _kept(guard: LossGuard, out: Path) -> str:
+  """The end of a stop's error line: the suspect checkpoint set aside, the last good one named."""
+  note = ''
+  suspect = guard.suspect
+  if suspect is not None and suspect in ckpt.steps(out):
+    note = (f'; checkpoint {suspect} was set aside to {ckpt.set_aside(out, suspect)} (no healthy '
+            'step followed it)')
+  kept = ckpt.steps(out)
+  if not kept:
+    return (f'{note}; no checkpoint passed the guard: lower --lr (or --grad-clip) and start over '
+            'with --restart')
+  return (f'{note}; checkpoint {kept[0]} in {out} is the last good one: continue from it with '
+          '--resume and a lower --lr (--allow-changed lr) or --grad-clip (--allow-changed grad_clip)')
 
 
-def _diverged(step: int, loss: float, grad_norm: float, cfg, mngr, out: Path) -> str:
+def _diverged(step: int, loss: float, grad_norm: float, cfg) -> str:
   skipped = (f' after {cfg.skip_nonfinite} skipped steps in a row (--skip-nonfinite)'
              if cfg.skip_nonfinite else '')
   return (f'diverged at step {step}: loss {loss:g}, gradient norm {grad_norm:g}{skipped}; '
-          f'stopped without saving{_last_good(mngr, out)}')
+          'stopped without saving')
 
 
 def _data(cfg: TrainConfig, task: Task, size: int, log):

@@ -1,0 +1,79 @@
+"""Orbax's own reports of a failed save, kept off the terminal (the run reports it in one line).
+
+When a write fails (a full disk), orbax logs a traceback per writer thread on
+the ``absl`` logger, and TensorStore's writes still in flight later call back
+into the event loops orbax has closed by then; each such callback prints
+``RuntimeError: Event loop is closed`` with its traceback straight to
+``sys.stderr`` (not through ``sys.excepthook``), from other threads and up to
+interpreter exit. A 30 MB tmpfs filled by the tiny config's second save gave
+62 of them. :func:`quiet` silences the first for the span of a save;
+:func:`drop_closed_loop_tracebacks` filters the second from ``sys.stderr``
+for the rest of the process, and is installed only once a save has failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import sys
+
+_NOISE = 'RuntimeError: Event loop is closed'
+
+
+@contextlib.contextmanager
+def quiet():
+  """Orbax's ERROR logs silenced in the block; its failures still raise."""
+  logger = logging.getLogger('absl')
+  level = logger.level
+  logger.setLevel(logging.CRITICAL)
+  try:
+    yield
+  finally:
+    logger.setLevel(level)
+
+
+class _Filter(io.TextIOBase):
+  """A text stream that holds each ``Traceback ...`` block to its last line, and drops it if that
+  line is the closed-loop error; everything else passes through unchanged."""
+
+  def __init__(self, stream):
+    super().__init__()
+    self.stream = stream
+    self._line = ''    # the current, unfinished line
+    self._block = []   # the lines of a traceback being held
+
+  def write(self, text: str) -> int:
+    self._line += text
+    while '\n' in self._line:
+      line, self._line = self._line.split('\n', 1)
+      self._take(line + '\n')
+    if not self._block and self._line and not 'Traceback'.startswith(self._line[:9]):
+      self.stream.write(self._line)  # a partial line that cannot open a traceback: pass it on
+      self._line = ''
+    return len(text)
+
+  def _take(self, line: str):
+    if not self._block:
+      if line.startswith('Traceback (most recent call last):'):
+        self._block = [line]
+      else:
+        self.stream.write(line)
+      return
+    self._block.append(line)
+    if not line.startswith((' ', '\t')):  # the exception line ends the block
+      if line.rstrip('\n') != _NOISE:
+        self.stream.write(''.join(self._block))
+      self._block = []
+
+  def flush(self):
+    self.stream.flush()
+
+  def __getattr__(self, name):  # fileno, encoding, isatty, ...: the wrapped stream's
+    return getattr(self.stream, name)
+
+
+def drop_closed_loop_tracebacks():
+  """Filters the closed-loop tracebacks out of ``sys.stderr`` from now on (once per process)."""
+  if not isinstance(sys.stderr, _Filter):
+    sys.stderr = _Filter(sys.stderr)
