@@ -137,7 +137,7 @@ def save(mngr: ocp.CheckpointManager, state, meta: dict, force: bool = False) ->
   except Exception as e:  # pylint: disable=broad-except
     if not rundir.is_disk_full(e):
       raise
-    orbax_noise.drop_closed_loop_tracebacks()
+    orbax_noise.after_failed_save()
     where = Path(mngr.directory)
     for tmp in where.glob(f'{step}{TMP_SUFFIX}*'):  # give the space back; it is no checkpoint
       shutil.rmtree(tmp, ignore_errors=True)

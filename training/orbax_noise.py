@@ -6,9 +6,10 @@ into the event loops orbax has closed by then; each such callback prints
 ``RuntimeError: Event loop is closed`` with its traceback straight to
 ``sys.stderr`` (not through ``sys.excepthook``), from other threads and up to
 interpreter exit. A 30 MB tmpfs filled by the tiny config's second save gave
-62 of them. :func:`quiet` silences the first for the span of a save;
-:func:`drop_closed_loop_tracebacks` filters the second from ``sys.stderr``
-for the rest of the process, and is installed only once a save has failed.
+62 of them. :func:`quiet` silences the first for the span of a save; once a
+save has failed, :func:`after_failed_save` waits for orbax's writer threads
+to end (so its partial folder can be removed for good) and silences both for
+the rest of the process.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import contextlib
 import io
 import logging
 import sys
+import threading
 
 _NOISE = 'RuntimeError: Event loop is closed'
 
@@ -73,7 +75,17 @@ class _Filter(io.TextIOBase):
     return getattr(self.stream, name)
 
 
-def drop_closed_loop_tracebacks():
-  """Filters the closed-loop tracebacks out of ``sys.stderr`` from now on (once per process)."""
+def after_failed_save(timeout: float = 60.0):
+  """Waits (up to ``timeout`` s each) for orbax's threads still writing, then keeps their
+  reports off the terminal for the rest of the process."""
+  wait_for_writers(timeout)
+  logging.getLogger('absl').setLevel(logging.CRITICAL)
   if not isinstance(sys.stderr, _Filter):
     sys.stderr = _Filter(sys.stderr)
+
+
+def wait_for_writers(timeout: float = 60.0):
+  """Joins orbax's threads still running (up to ``timeout`` s each)."""
+  for t in threading.enumerate():
+    if t is not threading.current_thread() and type(t).__module__.startswith('orbax.'):
+      t.join(timeout)
