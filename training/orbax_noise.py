@@ -6,7 +6,7 @@ into the event loops orbax has closed by then; each such callback prints
 ``RuntimeError: Event loop is closed`` with its traceback straight to
 ``sys.stderr`` (not through ``sys.excepthook``), from other threads and up to
 interpreter exit. A 30 MB tmpfs filled by the tiny config's second save gave
-62 of them. :func:`quiet` silences the first for the span of a save; once a
+62 of them. :func:`quiet` silences both for the span of a save; once a
 save has failed, :func:`after_failed_save` waits for orbax's writer threads
 to end (so its partial folder can be removed for good) and silences both for
 the rest of the process.
@@ -25,14 +25,20 @@ _NOISE = 'RuntimeError: Event loop is closed'
 
 @contextlib.contextmanager
 def quiet():
-  """Orbax's ERROR logs silenced in the block; its failures still raise."""
+  """Orbax's ERROR logs and closed-loop tracebacks kept off the terminal in the block; its
+  failures still raise."""
   logger = logging.getLogger('absl')
-  level = logger.level
+  level, stream = logger.level, sys.stderr
   logger.setLevel(logging.CRITICAL)
+  if not isinstance(stream, _Filter):
+    sys.stderr = _Filter(stream)
   try:
     yield
   finally:
     logger.setLevel(level)
+    if sys.stderr is not stream and isinstance(sys.stderr, _Filter):
+      sys.stderr.flush()
+      sys.stderr = stream
 
 
 class _Filter(io.TextIOBase):
@@ -61,6 +67,9 @@ class _Filter(io.TextIOBase):
         self._block = [line]
       else:
         self.stream.write(line)
+      return
+    if line.startswith('train.py: '):  # ours, printed by another thread meanwhile: never held
+      self.stream.write(line)
       return
     self._block.append(line)
     if not line.startswith((' ', '\t')):  # the exception line ends the block
