@@ -185,11 +185,15 @@ def _short_op(op_name: str) -> str:
   return re.sub(r'^jit\([^)]*\)/', '', op_name)
 
 
-def _loop_label(op_name: str, name: str) -> str:
-  """'GPT/h' for 'jit(step)/transpose(jvp(GPT))/h/while': the module path the loop ran in."""
-  path = re.sub(r'(transpose|jvp)\(|\)', '', _short_op(op_name))
+def _loop_label(inst) -> str:
+  """'GPT/h' for 'jit(step)/transpose(jvp(GPT))/h/while': the module path the loop ran in.
+
+  A bare ``lax.scan`` outside any module is named by its source line instead.
+  """
+  path = re.sub(r'(transpose|jvp)\(|\)', '', _short_op(inst.op_name))
   parts = [p for p in path.split('/') if p and p not in ('while', 'body', 'closed_call')]
-  return '/'.join(parts[-3:]) or name
+  where = inst.source.split(' (')[0].rsplit('/', 1)[-1] if inst.source else inst.name
+  return '/'.join(parts[-3:]) or where
 
 
 def _leaf_roles(program, args, kind: str) -> list[tuple[str, str]]:
@@ -216,14 +220,15 @@ def _leaf_roles(program, args, kind: str) -> list[tuple[str, str]]:
 def _compile(program, args, target: Target, shardings):
   from remat.measuring import TrainStep, _abstract, _parts
   fn, donate, _ = _parts(program, args)
-  placed = target.place(_abstract(args))
+  # Given shardings name the devices (a mesh of CPU or abstract GPU devices) themselves.
+  placed = target.place(_abstract(args)) if shardings is None else _abstract(args)
   kw = {'in_shardings': shardings} if shardings is not None else {}
   # keep_unused: HLO parameter i is then flattened leaf i, so each buffer maps to its argument.
   lowered = jax.jit(fn, donate_argnums=donate, keep_unused=True, **kw).lower(*placed)
   options = dict(target.compiler_options)
   if target.sharding is None and jax.default_backend() == 'cpu':
-    # LLVM's optimisation of the CPU code is most of a compile and changes no buffer (the
-    # plan is read, never run); docs/testing.md measured the same for the test suite.
+    # LLVM's optimisation of the CPU code is much of a compile and changes no buffer (the
+    # plan is read, never run): the tiny GPT's plan is byte for byte the same without it.
     options['xla_backend_optimization_level'] = 0
   compiled, plan = compile_with_plan(lowered, options)
   return compiled, plan, ('step' if isinstance(program, TrainStep) else 'loss')
@@ -395,7 +400,7 @@ def _spans(plan: Plan) -> tuple[tuple[Span, ...], tuple[Span, ...], dict[str, An
     if any(s2 <= s and e <= e2 and (e - s) < _LOOP_MIN_NESTED * (e2 - s2)
            for i2, (s2, e2) in found if i2 is not inst):
       continue
-    label = f'{_phase_of(inst.op_name) or "loop"} {_loop_label(inst.op_name, inst.name)}'
+    label = f'{_phase_of(inst.op_name) or "loop"} {_loop_label(inst)}'
     loops.append(Span(label + (f' x{inst.trip_count}' if inst.trip_count else ''), s, e,
                       inst.trip_count))
   return tuple(phases), tuple(sorted(loops, key=lambda s: s.start)), body_of
@@ -461,8 +466,7 @@ def analyse(plan: Plan, memory: MemoryStats, spec: str, target: str,
       return INPUTS, None, ph
     key = _shape_key(v.shape)
     if ph == 'forward' and bwd is not None and v.end >= bwd.start:
-      tags = sorted(by_tag.get(key, {'(not in the jaxpr)'}))
-      return SAVED, '/'.join(tags), ph
+      return SAVED, '/'.join(sorted(_tags_of(key, by_tag))), ph
     if ph == 'backward' and key in param_shapes:
       return GRADS, None, ph
     if ph == 'backward':
@@ -505,13 +509,29 @@ def analyse(plan: Plan, memory: MemoryStats, spec: str, target: str,
                      sum(r.nbytes for r in residuals), saved_at_start, plan)
 
 
+def _tags_of(key, by_tag: dict) -> set[str]:
+  """The jaxpr residual tags a saved buffer of (dtype, dims) can be.
+
+  The same shape, or on a mesh a per-device shard of it (each dim dividing the global one).
+  """
+  if key in by_tag:
+    return by_tag[key]
+  if key is not None:
+    dtype, dims = key
+    found = set().union(*(tags for (d, g), tags in by_tag.items() if d == dtype and len(g) == len(dims)
+                          and all(x and y % x == 0 for x, y in zip(dims, g))), set())
+    if found:
+      return found
+  return {'(not in the jaxpr)'}
+
+
 def _loop_of(inst, body_of) -> str | None:
   if inst is None:
     return None
   if inst.opcode == 'while':
-    return f'carried by loop {_loop_label(inst.op_name, inst.name)}' + (
+    return f'carried by loop {_loop_label(inst)}' + (
         f' x{inst.trip_count}' if inst.trip_count else '')
   loop = body_of.get(inst.computation)
   if loop is not None:
-    return f'body of loop {_loop_label(loop.op_name, loop.name)} (one iteration)'
+    return f'body of loop {_loop_label(loop)} (one iteration)'
   return None

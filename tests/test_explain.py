@@ -173,6 +173,44 @@ def test_h200_plan():
 def test_h200_offload_is_host_memory():
   _, e = _zoo('llama-tiny', 'qkv_proj_offloaded', target='h200')
   _check_plan(e)
-  # Q, K and V projections of every layer: [6, 8, 128, 128] f32 each in pinned host memory.
-  assert max(e.host_timeline) >= 3 * 6 * 8 * 128 * 128 * 4
+  # The Q, K and V projections of every layer in pinned host memory: [6, 8, 128, H, 32] f32
+  # with 4 query and 2 + 2 key/value heads.
+  assert max(e.host_timeline) >= 6 * 8 * 128 * (4 + 2 + 2) * 32 * 4
+  assert not any(b.category for b in e.buffers if 'S(5)' in b.shape)
   assert np.argmax(e.timeline) == e.peak_time
+
+
+_MESH_SCRIPT = """
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import remat
+from remat.explaining import INPUTS, SAVED
+from tests import user_mlp
+params, x = user_mlp.example_args()
+mesh = Mesh(np.array(jax.devices()), ('data',))
+rep = NamedSharding(mesh, P())
+shardings = (jax.tree_util.tree_map(lambda _: rep, params), NamedSharding(mesh, P('data')))
+e = remat.explain(user_mlp.build, params, x, policy='full', shardings=shardings)
+# Per device: half the batch, so half the batch input and of each saved layer input, whose
+# global [L, B, D] residual the tag matching finds from the shard.
+assert e.categories[INPUTS] == user_mlp.B // 2 * user_mlp.D * 4, e.categories
+saved = [b for b in e.buffers if b.category == SAVED]
+assert (saved[0].shape, saved[0].tag) == (f'f32[{user_mlp.L},{user_mlp.B // 2},{user_mlp.D}]',
+                                          '(untagged)'), saved
+# Besides it, scalars only (the partitioned mean keeps its 4-byte count).
+assert all(b.size <= 8 for b in saved[1:]), saved
+print('ok')
+"""
+
+
+@pytest.mark.slow
+def test_per_device_plan_on_a_mesh():
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'PYTHONPATH': root,
+         'XLA_FLAGS': os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=2'}
+  run = subprocess.run([sys.executable, '-c', _MESH_SCRIPT], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0 and run.stdout.strip() == 'ok', run.stderr[-2000:]
