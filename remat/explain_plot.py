@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from remat.explaining import CATEGORIES, Explanation
+from remat.explain_analysis import CATEGORIES, Explanation
 
 # One colour per category (the bar) and per phase (the shading), the same in every picture.
 CATEGORY_COLORS = dict(zip(CATEGORIES, ('#4c72b0', '#8172b2', '#937860', '#55a868', '#c44e52',
