@@ -182,7 +182,7 @@ def _loop_label(inst) -> str:
 
   A bare ``lax.scan`` outside any module is named by its source line instead.
   """
-  path = re.sub(r'(transpose|jvp)\(|\)', '', _short_op(inst.op_name))
+  path = re.sub(r'(transpose|jvp|jit)\(|\)', '', _short_op(inst.op_name))
   parts = [p for p in path.split('/') if p and p not in ('while', 'body', 'closed_call')]
   where = inst.source.split(' (')[0].rsplit('/', 1)[-1] if inst.source else inst.name
   return '/'.join(parts[-3:]) or where

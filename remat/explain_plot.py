@@ -69,6 +69,8 @@ def plot(explanations: Sequence[Explanation], path: str | Path, title: str = '')
                                                  ' (a loop body once, for every iteration)'))
   ax.set_ylabel(f'live bytes ({unit})')
   ax.plot([], [], color='k', lw=0.8, ls=':', label='plan: argument + output - alias + temp')
+  if several:
+    ax.plot([], [], color='k', lw=0.6, ls='--', label='start of the backward pass and update')
   ax.set_ylim(bottom=0)
   ax.grid(alpha=0.3)
   ax.legend(fontsize=7, loc='lower left')
