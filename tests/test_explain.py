@@ -50,8 +50,12 @@ def test_user_function_under_full(mlp_full):
   e = mlp_full
   _check_plan(e)
   assert e.phase_at(e.peak_time) == 'backward'
-  # full saves each layer's input: the scan carry stacked over the L layers, and nothing else.
-  assert e.categories[SAVED] == user_mlp.L * user_mlp.B * user_mlp.D * 4
+  # full saves each layer's input: the scan carry stacked over the L layers, and scalars at most
+  # (XLA may keep the mean's 1/n from the forward pass).
+  saved = [b for b in e.buffers if b.category == SAVED]
+  assert (saved[0].shape, saved[0].size) == (f'f32[{user_mlp.L},{user_mlp.B},{user_mlp.D}]',
+                                             user_mlp.L * user_mlp.B * user_mlp.D * 4)
+  assert all(b.size <= 8 for b in saved[1:]), saved
   # A loss program's gradients are its outputs: the stacked weight gradients, live at the peak.
   assert e.categories[GRADS] == e.categories[PARAMS] == user_mlp.L * 2 * user_mlp.D * user_mlp.H * 4
   assert [s.label for s in e.phases] == ['forward', 'backward']
