@@ -293,10 +293,12 @@ def analyse(plan: Plan, memory: MemoryStats, spec: str, target: str,
       return p
     return next((s.label for s in phases if s.start <= v.start <= s.end), 'forward')
 
+  first_value = {}
+  for v in plan.values:
+    first_value.setdefault(v.allocation, v)
   for i, a in kinds.items():
     if a.parameter is not None and a.parameter < len(roles) and roles[a.parameter][0] == PARAMS:
-      shp = next((_shape_key(v.shape) for v in plan.values if v.allocation == i), None)
-      param_shapes.add(shp)
+      param_shapes.add(_shape_key(first_value[i].shape) if i in first_value else None)
 
   def classify(v: Value) -> tuple[str, str | None, str]:
     alloc = kinds[v.allocation]

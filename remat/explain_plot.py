@@ -85,6 +85,9 @@ def plot(explanations: Sequence[Explanation], path: str | Path, title: str = '')
         bottom += b
     bar.bar(i, max(e.packing_loss, 0) / scale, bottom=bottom, color='white', edgecolor='k',
             hatch='//', width=0.6, lw=0.5)
+    if e.host_at_peak:   # offloaded bytes live in host memory: apart from the device's bar
+      bar.annotate(f'+ host {e.host_at_peak / scale:.2f} {unit}', (i, e.plan.peak / scale),
+                   xytext=(0, 4), textcoords='offset points', ha='center', fontsize=7)
   bar.set_xticks(range(len(exps)), [e.spec for e in exps], fontsize=8, rotation=20)
   bar.set_ylabel(f'at the peak ({unit})')
   bar.set_title('what is live at the peak', fontsize=9)
