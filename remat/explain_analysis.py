@@ -281,7 +281,7 @@ def analyse(plan: Plan, memory: MemoryStats, spec: str, target: str,
   peak = int(np.argmax(device))
   phases, loops, body_of = _spans(plan)
   bwd = next((s for s in phases if s.label == 'backward'), None)
-  param_shapes = set()
+  param_dims = set()
   by_tag = collections.defaultdict(set)
   for r in residuals:
     by_tag[(_hlo_dtype(r.dtype), tuple(r.shape))].add(r.tag or '(untagged)')
@@ -298,7 +298,9 @@ def analyse(plan: Plan, memory: MemoryStats, spec: str, target: str,
     first_value.setdefault(v.allocation, v)
   for i, a in kinds.items():
     if a.parameter is not None and a.parameter < len(roles) and roles[a.parameter][0] == PARAMS:
-      param_shapes.add(_shape_key(first_value[i].shape) if i in first_value else None)
+      key = _shape_key(first_value[i].shape) if i in first_value else None
+      if key is not None:
+        param_dims.add(key[1])
 
   def classify(v: Value) -> tuple[str, str | None, str]:
     alloc = kinds[v.allocation]
@@ -308,9 +310,13 @@ def analyse(plan: Plan, memory: MemoryStats, spec: str, target: str,
         return roles[alloc.parameter][0], roles[alloc.parameter][1], ph
       return INPUTS, None, ph
     key = _shape_key(v.shape)
+    like_param = key is not None and _param_like(key[1], param_dims)
     if ph == 'forward' and bwd is not None and v.end >= bwd.start:
-      return SAVED, '/'.join(sorted(_tags_of(key, by_tag))), ph
-    if ph == 'backward' and key in param_shapes:
+      tags = _tags_of(key, by_tag)
+      if tags == {'(not in the jaxpr)'} and like_param:   # e.g. a flipped conv kernel
+        return SAVED, '(a copy of a parameter)', ph
+      return SAVED, '/'.join(sorted(tags)), ph
+    if ph == 'backward' and like_param:
       return GRADS, None, ph
     if ph == 'backward':
       return BACKWARD, None, ph
@@ -352,17 +358,30 @@ def analyse(plan: Plan, memory: MemoryStats, spec: str, target: str,
                      sum(r.nbytes for r in residuals), saved_at_start, plan)
 
 
+def _param_like(dims: tuple[int, ...], param_dims: set) -> bool:
+  """A parameter's dims in any dtype (bf16 compute accumulates bf16 gradients), or its elements
+  with its last two dims (a segmented stack's [S, K, ...] gradient of an [N, ...] parameter)."""
+  if dims in param_dims:
+    return True
+  n = int(np.prod(dims)) if dims else 1
+  return len(dims) >= 2 and any(len(p) >= 2 and p[-2:] == dims[-2:] and int(np.prod(p)) == n
+                                for p in param_dims)
+
+
 def _tags_of(key, by_tag: dict) -> set[str]:
   """The jaxpr residual tags a saved buffer of (dtype, dims) can be.
 
-  The same shape, or on a mesh a per-device shard of it (each dim dividing the global one).
+  First the same dtype and dims; else the same dims in another dtype (XLA may keep a
+  mixed-precision value in float32); else, on a mesh, a per-device shard of a residual (each
+  dim dividing the global one).
   """
-  if key in by_tag:
-    return by_tag[key]
-  if key is not None:
-    dtype, dims = key
-    found = set().union(*(tags for (d, g), tags in by_tag.items() if d == dtype and len(g) == len(dims)
-                          and all(x and y % x == 0 for x, y in zip(dims, g))), set())
+  if key is None:
+    return {'(not in the jaxpr)'}
+  dtype, dims = key
+  for match in (lambda d, g: (d, g) == key, lambda d, g: g == dims,
+                lambda d, g: d == dtype and len(g) == len(dims)
+                and all(x and y % x == 0 for x, y in zip(dims, g))):
+    found = set().union(*(tags for (d, g), tags in by_tag.items() if match(d, g)))
     if found:
       return found
   return {'(not in the jaxpr)'}
