@@ -75,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--budget', default='auto', metavar='auto[:SIZE]',
                  help="for --fit: auto:SIZE (e.g. auto:40GiB), or auto: the target's memory times "
                       'the preallocated fraction (GPU targets)')
+  p.add_argument('--explain', metavar='FILE|DIR',
+                 help="instead of the table: what is live when in XLA's plan of the train step "
+                      'under each policy (one policy: FILE.json/.png/.svg; several: DIR with one '
+                      'set per policy and overlay.png); docs/measuring.md')
   p.add_argument('--sweep', metavar='depth=N,N,...|resolution=S,S,...',
                  help=f"depth (or, for vit/resnet, image-side) sweep of {', '.join(SWEEP_POLICIES)} "
                       'instead of the policy table')
@@ -192,6 +196,26 @@ def _mesh_report(args, named, fam, size, target, header) -> dict:
   return {'mesh': mesh, 'mesh_plan': rows}
 
 
+def _explain_report(args, named, fam, size, target, header) -> dict:
+  """``--explain``: XLA's live memory over the train step's schedule, per policy (remat.explain)."""
+  from remat.explaining import run_cli
+  if args.sweep or args.fit or args.time or args.device_peak or args.plot:
+    raise ValueError('--explain explains the train step at one shape: drop --sweep, --fit, '
+                     '--time, --device-peak and --plot')
+  case = zoo.case(named.model, args.batch_size, size)
+  tags = sorted(case.tags())
+  specs = parse_specs(args.policies, fam.policies, tags)
+  text = args.policies or ''
+  if text and text != 'all' and 'none' not in [
+      s.strip() for s in (text.split(';') if ';' in text else text.split(','))]:
+    specs = specs[1:]   # explain what was asked: no baseline is needed here
+  env = {'jax': jax.__version__, 'target': target.name, 'config': named.name,
+         'batch_size': args.batch_size, 'size': size, 'dtype': named.model.dtype}
+  run_cli(case.train_step, case.step_args(), specs, target, args.explain, env,
+          header.lstrip('# ').replace(', compile only', ''), case.num_layers)
+  return {'explain': args.explain}
+
+
 def _fit_report(args, named, fam, size, target, header) -> dict:
   from remat.auto_budget import parse_budget
   from remat.fit import fit_table, format_fits, plot_fits
@@ -241,7 +265,12 @@ def main(argv=None) -> int:
     header = (f'# {what}, {fam.arch} {named.name}, batch {args.batch_size} x {dims}, '
               f'{named.model.dtype}, target {target.name} ({target.description}), compile only'
               f'{" + timed on the local backend" if args.time else ""} (jax {jax.__version__})')
-    if args.mesh:
+    if args.mesh and args.explain:
+      raise ValueError('--explain plans one device: drop --mesh (remat.explain takes '
+                       'shardings= for a per-device plan)')
+    if args.explain:
+      body = _explain_report(args, named, fam, size, target, header)
+    elif args.mesh:
       body = _mesh_report(args, named, fam, size, target, header)
     else:
       report = _sweep_report if args.sweep else (_fit_report if args.fit else _policy_report)

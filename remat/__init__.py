@@ -14,8 +14,13 @@ Measure your own function under several policies (docs/measuring.md)::
 
     report = remat.measure(build, params, batch, policies=['full', 'dots'])
     print(report.table())
+
+See where the memory of one policy goes (what is live when, and at the peak)::
+
+    print(remat.explain(build, params, batch, policy='full').summary())
 """
 
+from remat.explaining import Explanation, explain
 from remat.measuring import Measurement, Report, TrainStep, measure
 from remat.nnx_stack import NNXStack
 from remat.policies import (PRESETS, Policy, PolicyError, get_policy, list_policies,
@@ -25,4 +30,4 @@ from remat.stack import LayerStack
 
 __all__ = ['PRESETS', 'Policy', 'PolicyError', 'get_policy', 'list_policies',
            'policy_names', 'LayerStack', 'NNXStack', 'scan_layers', 'StackSignatureError',
-           'measure', 'Measurement', 'Report', 'TrainStep']
+           'measure', 'Measurement', 'Report', 'TrainStep', 'explain', 'Explanation']

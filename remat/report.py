@@ -80,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                       '(auto:SIZE, auto:Fx or auto; docs/auto.md)')
   p.add_argument('--num-layers', type=int, default=None,
                  help="with --auto: N of build's layer stack, to search segmentings and mixes too")
+  p.add_argument('--explain', metavar='FILE|DIR',
+                 help="instead of the table: what is live when in XLA's plan of each policy in "
+                      '--policies (one policy: FILE.json/.png/.svg; several: DIR with one set '
+                      'per policy and overlay.png); docs/measuring.md')
   return p
 
 
@@ -104,6 +108,11 @@ def main(argv=None) -> int:
     target = get_target(args.target)
     if args.auto:
       return _auto(args, build, example_args, target)
+    if args.explain:
+      from remat.explaining import run_cli
+      return run_cli(build, example_args, parse_specs(args.policies), target, args.explain,
+                     {'jax': jax.__version__, 'target': target.name, 'fn': args.fn},
+                     f'{args.fn}, target {target.name}', args.num_layers)
     kind = 'train step' if isinstance(build(_none()), TrainStep) else 'value_and_grad of loss'
     header = (f'# {kind}, {args.fn}, target {target.name} ({target.description}), compile only'
               f'{" + timed on the local backend" if args.time else ""} (jax {jax.__version__})')
