@@ -37,13 +37,14 @@ def load_pretrained(path, arch: str, config) -> tuple[dict, list[str]]:
   Raises:
     HFImportError: one line (:func:`models.hf.load_hf`).
   """
-  _, theirs = load_hf_config(path)
+  their_arch, theirs = load_hf_config(path)
+  if arch not in ('vit', 'resnet') or their_arch != arch:  # load_hf checks and says what is wrong
+    return load_hf(path, expect_arch=arch, config=config)[2], []
   fit, notes = config, []
-  if arch == 'vit' and getattr(theirs, 'image_size', None) != config.image_size:
+  if arch == 'vit' and theirs.image_size != config.image_size:
     fit = dataclasses.replace(fit, image_size=theirs.image_size)
-  classes = getattr(theirs, 'num_classes', None)
-  if classes is not None and classes != config.num_classes:
-    fit = dataclasses.replace(fit, num_classes=classes)
+  if theirs.num_classes != config.num_classes:
+    fit = dataclasses.replace(fit, num_classes=theirs.num_classes)
   _, _, variables = load_hf(path, expect_arch=arch, config=fit)
   params = variables['params']
   if fit.image_size != config.image_size and arch == 'vit':
