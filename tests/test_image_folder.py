@@ -81,12 +81,15 @@ def test_a_process_decodes_only_its_rows_and_they_equal_the_whole_batch(folder):
 
 
 def test_validation_has_no_augmentation_and_matches_vit_image_processor(folder):
-  """A square image: centre square (the whole image) resized bilinearly, as ViTImageProcessor."""
+  """A square image: centre square (the whole image) resized bilinearly, as ViTImageProcessor
+  (its Pillow backend)."""
   transformers = pytest.importorskip('transformers')
   data = load_image_folder(str(folder), 16, NORM)
   (images, labels), = data.val_batches(1, 6)
-  proc = transformers.ViTImageProcessor(size={'height': 16, 'width': 16},
-                                        image_mean=[0.5] * 3, image_std=[0.5] * 3)
+  # transformers 5 has a Pillow and a torchvision backend (picked when torchvision is
+  # installed, with its own resize); ours decodes and resizes with Pillow, as the former does.
+  pillow = getattr(transformers, 'ViTImageProcessorPil', transformers.ViTImageProcessor)
+  proc = pillow(size={'height': 16, 'width': 16}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
   pil = [Image.open(p).convert('RGB') for p, _ in data.val]
   theirs = proc(pil, return_tensors='np')['pixel_values'].transpose(0, 2, 3, 1)
   # uint8 pixels scaled by 1/255 and normalised in float: equal to a few float32 ulps of 1.
