@@ -18,7 +18,8 @@ _FLAGS = {  # flag -> (type, help); defaults come from the named config, then Tr
     'steps': (int, 'optimizer steps'),
     'batch_size': (int, 'sequences or images per step'),
     'seq_len': (int, 'gpt: tokens (bytes) per sequence, at most the config max_len'),
-    'image_size': (int, 'vit/resnet: image side in pixels (a ViT takes only its config size)'),
+    'image_size': (int, 'vit/resnet: image side in pixels (a ViT: a multiple of its patch size; '
+                        'positions from --init-from are resampled to it)'),
     'lr': (float, 'peak AdamW learning rate (linear warmup, cosine decay to 10%%)'),
     'warmup_steps': (int, 'linear warmup steps'),
     'weight_decay': (float, 'AdamW weight decay'),
@@ -27,6 +28,8 @@ _FLAGS = {  # flag -> (type, help); defaults come from the named config, then Tr
     'eval_every': (int, 'validation loss every N steps (and at the end)'),
     'eval_batches': (int, 'validation batches per evaluation'),
     'save_every': (int, 'orbax checkpoint every N steps (and at the end)'),
+    'data_workers': (int, 'image folders: Grain worker processes decoding ahead; 0 decodes in '
+                          'this process; unset: 0 on <= 2 cores, else cores - 2, at most 8'),
     'skip_nonfinite': (int, 'skip up to N steps in a row whose loss or gradients are not finite '
                             '(their update is dropped); the next one stops the run (exit 3). '
                             '0: stop at the first'),
@@ -64,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help='compute dtype: float32 or bfloat16 (parameters and optimizer state stay '
                       "float32; docs/precision.md) (default: the config's, or the resumed run's)")
   p.add_argument('--data', default=None, metavar='PATH',
-                 help="text file or folder of text files (default: this Python's stdlib source)")
+                 help="gpt/llama: text file or folder of text files (default: this Python's stdlib "
+                      "source); vit/resnet: an image folder, DIR/<class>/*.png|jpg|jpeg or "
+                      "DIR/train/<class>/... and DIR/val/<class>/... (default: procedural shapes)")
   p.add_argument('--out', default=None, metavar='DIR',
                  help='output folder for metrics.jsonl and checkpoints (default: runs/CONFIG-SPEC)')
   again = p.add_mutually_exclusive_group()

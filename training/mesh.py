@@ -165,6 +165,20 @@ class Placement:
     return jax.tree_util.tree_map(
         lambda a: NamedSharding(self.mesh, P(BATCH_AXES)), batch)
 
+  def local_rows(self, batch_size: int) -> tuple[int, ...] | None:
+    """The rows of a global batch that this process's devices hold (None: all of them).
+
+    A data source decodes only these; :meth:`put_batch` reads only these rows
+    of the host batch in this process, so the others may be left as zeros.
+    """
+    if self.mesh is None:
+      return None
+    sharding = NamedSharding(self.mesh, P(BATCH_AXES))
+    rows = set()
+    for index in sharding.addressable_devices_indices_map((batch_size,)).values():
+      rows.update(range(batch_size)[index[0]])
+    return None if len(rows) == batch_size else tuple(sorted(rows))
+
   def replicated(self) -> NamedSharding:
     return NamedSharding(self.mesh, P())
 

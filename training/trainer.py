@@ -26,7 +26,6 @@ from training import rundir
 from training import steps as st
 from training.guard import GuardConfig, LossGuard
 from training.data import load_text
-from training.images import load_images
 from training.tasks import Task
 
 
@@ -69,6 +68,7 @@ class TrainConfig:
   spike_factor: float = GuardConfig.factor
   spike_margin: float = GuardConfig.margin
   spike_patience: int = GuardConfig.patience
+  data_workers: int | None = None  # image folders: Grain worker processes (None: by core count)
 
   @property
   def out_dir(self) -> Path:
@@ -133,12 +133,17 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
   model_cfg = named.model
   if task.is_vision:
     size = cfg.image_size or model_cfg.image_size
-    if task.arch == 'vit' and size != model_cfg.image_size:
-      raise RunError(f'--image-size {size} does not fit config {named.name}: its positions are '
-                     f'learned for {model_cfg.image_size}x{model_cfg.image_size}; pick a config '
-                     f"of that size ({', '.join(config_names('vit'))})")
+    if task.arch == 'vit' and (size < 1 or size % model_cfg.patch_size):
+      raise RunError(f'--image-size {size} does not fit config {named.name}: a ViT takes a '
+                     f'multiple of its patch size {model_cfg.patch_size} (its positions are '
+                     'resampled to that grid)')
     if task.arch == 'resnet' and size < 32:
       raise RunError(f'--image-size must be >= 32 for a ResNet, got {size}')
+    # The model at the run's image side, with a classifier for the data's classes.
+    from training.vision_data import num_classes
+    named = dataclasses.replace(named, model=dataclasses.replace(
+        model_cfg, image_size=size, num_classes=num_classes(cfg.data, model_cfg.num_classes)))
+    task, model_cfg = Task(named.model), named.model
   else:
     if cfg.image_size is not None:
       raise RunError(f'--image-size applies to vit and resnet configs; {named.name} is a gpt '
@@ -221,9 +226,11 @@ def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
     raise RunError(f"--resume: no checkpoint in {out / 'checkpoints'}")
   pretrained = None
   if cfg.init_from and not cfg.resume:
-    from models.hf import load_hf
-    pretrained = load_hf(cfg.init_from, expect_arch=named.arch, config=named.model)[2]
-  data = _data(cfg, task, size, log)
+    from models.hf_finetune import load_pretrained
+    pretrained, notes = load_pretrained(cfg.init_from, named.arch, named.model)
+    for note in notes:
+      log(f'--init-from: {note}')
+  data = _data(cfg, task, size, log, place)
   auto_choice = None
   if policy is None:
     from training.autoremat import choose_for_run
@@ -315,7 +322,7 @@ def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
   if cfg.resume and saved_step is None:  # the run was killed before its first save completed
     warn(f'no complete checkpoint in {out} (the run ended before its first save); starting '
          "from step 0 with the run's recorded settings")
-  batch_at, val = data
+  batch_at, val, data_meta = data
   log(f'model: {named.name} ({named.description}) | dtype: {named.model.dtype} | policy: '
       f'{policy.spec}: {policy.description}')
 
@@ -353,7 +360,7 @@ def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
   changes = list(saved.get('changes', [])) + (
       [{'step': start, 'settings': changed}] if changed else [])
   meta = {'config': named.name, 'arch': named.arch, 'model': dataclasses.asdict(named.model),
-          'policy': policy.spec,
+          'policy': policy.spec, 'data': data_meta,
           **({'auto': auto_choice.to_json()} if auto_choice else {}),
           'train': {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_RECORDED},
           **({'changes': changes} if changes else {})}
@@ -506,21 +513,16 @@ def _diverged(step: int, loss: float, grad_norm: float, cfg) -> str:
           'stopped without saving')
 
 
-def _data(cfg: TrainConfig, task: Task, size: int, log):
-  """(batch_at(step), validation batches) for the task; logs what the data is."""
+def _data(cfg: TrainConfig, task: Task, size: int, log, place: meshlib.Placement):
+  """(batch_at(step), validation batches, what the run records about its data); logs the data."""
   if task.is_vision:
-    mc = task.config
-    data = load_images(size, min(10, mc.num_classes), mc.channels)
-    batch_at = lambda step: _image_batch(data.batch(step, cfg.batch_size, cfg.seed))
-    val = [_image_batch(b) for b in data.val_batches(cfg.eval_batches, cfg.batch_size)]
-    log(f'data: {data.source}: a fresh training batch every step, {len(val) * cfg.batch_size} '
-          'held-out images')
-    return batch_at, val
+    from training.vision_data import open_vision_data
+    return open_vision_data(cfg, task, size, log, place.local_rows(cfg.batch_size))
   data = load_text(cfg.data, size)
   log(f'data: {data.source}: {data.num_files} files, {len(data.train):,} train / '
         f'{len(data.val):,} val bytes')
   batch_at = lambda step: data.batch(step, cfg.batch_size, size, cfg.seed)
-  return batch_at, data.val_batches(cfg.eval_batches, cfg.batch_size, size)
+  return batch_at, data.val_batches(cfg.eval_batches, cfg.batch_size, size), {}
 
 
 def _pretrained_state(variables: dict, tx) -> st.TrainState:
@@ -549,11 +551,6 @@ def matching_config(path: str) -> str:
       return name
   raise RunError(f'--init-from {path}: no shipped {arch} config has its shape ({hf_cfg}); '
                  'pass --config NAME of a config with that shape')
-
-
-def _image_batch(pair):
-  images, labels = pair
-  return {'images': jnp.asarray(images), 'labels': jnp.asarray(labels)}
 
 
 def _evaluate(eval_step, state, val) -> dict:
