@@ -16,6 +16,7 @@ Measure your own function under several policies (docs/measuring.md)::
     print(report.table())
 """
 
+from remat.layout import LayoutError, stack_layers, unstack_layers
 from remat.measuring import Measurement, Report, TrainStep, measure
 from remat.nnx_stack import NNXStack
 from remat.policies import (PRESETS, Policy, PolicyError, get_policy, list_policies,
@@ -25,4 +26,5 @@ from remat.stack import LayerStack
 
 __all__ = ['PRESETS', 'Policy', 'PolicyError', 'get_policy', 'list_policies',
            'policy_names', 'LayerStack', 'NNXStack', 'scan_layers', 'StackSignatureError',
-           'measure', 'Measurement', 'Report', 'TrainStep']
+           'measure', 'Measurement', 'Report', 'TrainStep', 'stack_layers', 'unstack_layers',
+           'LayoutError']
