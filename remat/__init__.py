@@ -16,6 +16,7 @@ Measure your own function under several policies (docs/measuring.md)::
     print(report.table())
 """
 
+from remat import eqx  # imports Equinox only when called
 from remat.layout import LayoutError, stack_layers, unstack_layers
 from remat.measuring import Measurement, Report, TrainStep, measure
 from remat.nnx_stack import NNXStack

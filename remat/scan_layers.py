@@ -226,7 +226,7 @@ def check_policy(policy, num_layers: int | None, tags: set[str] | None = None) -
 
 def num_stacked(tree, what: str) -> int:
   """N, the common leading axis of the stacked leaves of ``tree``."""
-  shapes = _leaf_shapes(tree)
+  shapes = _leaf_shapes(tree, what)
   if not shapes:
     raise StackSignatureError(f'{what} has no arrays, so it does not say how many layers there '
                               'are; pass num_layers')
@@ -247,7 +247,7 @@ def check_stacked(tree, num_layers: int, what: str) -> None:
   otherwise run as many layers as the segmenting happens to read) and a
   per-layer (unstacked) tree handed to a stack.
   """
-  shapes = _leaf_shapes(tree)
+  shapes = _leaf_shapes(tree, what)
   if all(s[:1] == (num_layers,) for _, s in shapes):
     return
   sizes = {s[0] if s else None for _, s in shapes}
@@ -263,9 +263,16 @@ def check_stacked(tree, num_layers: int, what: str) -> None:
       f'stacked [{num_layers}, ...] (per-layer trees: remat.stack_layers)')
 
 
-def _leaf_shapes(tree) -> list[tuple[str, tuple]]:
-  return [(jax.tree_util.keystr(p), tuple(jnp.shape(a)))
-          for p, a in jax.tree_util.tree_leaves_with_path(tree)]
+def _leaf_shapes(tree, what: str = '') -> list[tuple[str, tuple]]:
+  out = []
+  for p, a in jax.tree_util.tree_leaves_with_path(tree):
+    if not _is_array(a) and not isinstance(a, (bool, int, float, complex)):
+      raise StackSignatureError(
+          f'{what}{jax.tree_util.keystr(p)} is {type(a).__name__} {a!r:.40}, not an array; a '
+          "stack's per-layer trees hold arrays (an Equinox module: remat.eqx.scan_module, or "
+          'eqx.partition(module, eqx.is_array))')
+    out.append((jax.tree_util.keystr(p), tuple(jnp.shape(a))))
+  return out
 
 
 def _most(shapes) -> int | None:
