@@ -66,7 +66,9 @@ class _InitBody(nn.Module):
   def __call__(self, carry, inputs, args):
     x_in, key, xs_i = inputs
     x = x_in if self.scan_x else carry
-    block = self.block_cls(**self.block_kwargs)
+    # An explicit name: the automatic one (ClassName_0) would clash with a child of the same
+    # class inside the shared scope (a block `Dense` holding an nn.Dense).
+    block = self.block_cls(**self.block_kwargs, name='remat_stacked_block')
     nn.share_scope(self, block)
     more = (xs_i,) if self.has_xs else ()
     out = block(x, *more, *args, **({'rng': key} if self.with_rng else {}))
