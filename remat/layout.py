@@ -67,8 +67,9 @@ def _layers_of(layers, prefix: str | None) -> list:
     raise LayoutError(f"stack_layers: no key of the form {prefix!r}<i> among "
                       f"{', '.join(map(repr, list(layers)[:8]))}")
   if len(found) > 1:
-    raise LayoutError(f'stack_layers: the keys have several prefixes ({", ".join(map(repr, found))}); '
-                      "pass prefix='...' for the one that names the layers")
+    raise LayoutError(f'stack_layers: the keys have several prefixes '
+                      f'({", ".join(map(repr, found))}); pass prefix=... for the one that names '
+                      'the layers')
   by_index = next(iter(found.values()))
   missing = sorted(set(range(len(by_index))) - set(by_index))
   if missing:
@@ -109,7 +110,9 @@ def stack_layers(layers: Sequence[Any] | Mapping[Any, Any], *, prefix: str | Non
                         f'{treedef}'[:400])
     for col, path, leaf in zip(columns, paths, flat):
       a, b = (nn.meta.unbox(x) for x in (col[0], leaf))
-      if _is_array(a) != _is_array(b) or (_is_array(a) and (a.shape, a.dtype) != (b.shape, b.dtype)):
+      same = _is_array(a) == _is_array(b) and (
+          not _is_array(a) or (a.shape, a.dtype) == (b.shape, b.dtype))
+      if not same:
         raise LayoutError(f"stack_layers: layer {i}'s {path or 'leaf'} is "
                           f"{_shape(b) if _is_array(b) else repr(b)[:40]}, layer 0's "
                           f"{_shape(a) if _is_array(a) else repr(a)[:40]}")
@@ -131,7 +134,7 @@ def stack_layers(layers: Sequence[Any] | Mapping[Any, Any], *, prefix: str | Non
 
 
 def unstack_layers(stacked, *, prefix: str | None = None):
-  """Splits a tree stacked ``[N, ...]`` into N per-layer trees (the inverse of :func:`stack_layers`).
+  """Splits a tree stacked ``[N, ...]`` into N per-layer trees (inverse of :func:`stack_layers`).
 
   Args:
     stacked: a tree whose array leaves all have the same leading axis N.

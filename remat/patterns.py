@@ -52,7 +52,7 @@ def _names(kinds) -> str:
 
 
 def kind_counts(pattern: tuple, num_layers: int) -> dict[Hashable, int]:
-  """Layers of each kind in a stack of ``num_layers``: ``{'local': 22, 'global': 4}`` for Gemma 3 27B-like 26."""
+  """Layers of each kind in a stack of N: ``{'local': 22, 'global': 4}`` for Gemma 3's 26."""
   counts = collections.Counter(pattern[i % len(pattern)] for i in range(num_layers))
   return {k: counts[k] for k in dict.fromkeys(pattern)}
 
@@ -73,7 +73,7 @@ def _counts(counts) -> str:
 
 
 def num_units(pattern: tuple | None, num_layers: int) -> int:
-  """What a segmenting counts: layers without a pattern, repeats of it (and a remainder) with one."""
+  """What a segmenting counts: layers; with a pattern, its repeats (and a remainder)."""
   if pattern is None:
     return num_layers
   return -(-num_layers // len(pattern))

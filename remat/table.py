@@ -89,7 +89,7 @@ def footer(table: list[dict], target_name: str) -> list[str]:
   from remat.policies import get_policy
   lines = [LEGEND]
   if table and table[0].get('baseline', 'none') != 'none':
-    lines.append(f"# temp/ref, peak/ref, flops/ref and time are ratios to '{table[0]['baseline']}', "
+    lines.append(f"# temp/ref, peak/ref, flops/ref and time: ratios to '{table[0]['baseline']}', "
                  'your untouched function (the first row), not to the stack under none')
   specs = [r['policy'] for r in table if r['policy'] != r.get('baseline', 'none')] + ['none']
   if target_name == 'cpu' and any(get_policy(s).offloads for s in specs):

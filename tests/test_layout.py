@@ -83,7 +83,8 @@ def test_plain_lists_round_trip():
 
 
 @pytest.mark.parametrize('layers,needle', [
-    ([{'w': jnp.ones((D, D))}, {'w': jnp.ones((D, 2))}], "layer 1's ['w'] is float32[4, 2], layer 0's float32[4, 4]"),
+    ([{'w': jnp.ones((D, D))}, {'w': jnp.ones((D, 2))}],
+     "layer 1's ['w'] is float32[4, 2], layer 0's float32[4, 4]"),
     ([{'w': jnp.ones(D)}, {'v': jnp.ones(D)}], "layer 1's tree differs from layer 0's"),
     ([{'act': 'gelu'}, {'act': 'relu'}], 'leaves that are not arrays must be equal in every layer'),
     ({'block_0': {}, 'block_2': {}}, 'missing layer(s) 1'),
