@@ -20,7 +20,9 @@ See where the memory of one policy goes (what is live when, and at the peak)::
     print(remat.explain(build, params, batch, policy='full').summary())
 """
 
+from remat import eqx  # imports Equinox only when called
 from remat.explaining import Explanation, explain
+from remat.layout import LayoutError, stack_layers, unstack_layers
 from remat.measuring import Measurement, Report, TrainStep, measure
 from remat.nnx_stack import NNXStack
 from remat.policies import (PRESETS, Policy, PolicyError, get_policy, list_policies,
@@ -30,4 +32,5 @@ from remat.stack import LayerStack
 
 __all__ = ['PRESETS', 'Policy', 'PolicyError', 'get_policy', 'list_policies',
            'policy_names', 'LayerStack', 'NNXStack', 'scan_layers', 'StackSignatureError',
-           'measure', 'Measurement', 'Report', 'TrainStep', 'explain', 'Explanation']
+           'measure', 'Measurement', 'Report', 'TrainStep', 'explain', 'Explanation',
+           'stack_layers', 'unstack_layers', 'LayoutError']

@@ -78,14 +78,18 @@ class Measurement:
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-  """Measurements of every policy, ``none`` first; ratios are to ``none``.
+  """Measurements of every policy, the reference (if any) then ``none`` first.
 
   Attributes:
-    results: spec -> :class:`Measurement`, in the order measured.
+    results: spec (or the reference's label) -> :class:`Measurement`, in the
+      order measured.
     target: the :class:`remat.targets.Target` compiled for.
+    baseline: the row every ratio is to: ``none``, or the label of the user's
+      untouched function when ``measure(..., reference=fn)`` measured one.
   """
   results: dict[str, Measurement]
   target: Target
+  baseline: str = 'none'
 
   @property
   def timed(self) -> bool:
@@ -98,7 +102,7 @@ class Report:
 
   def rows(self) -> list[dict]:
     """One JSON-ready row per policy (:func:`remat.table.rows`)."""
-    return table_rows(self.results)
+    return table_rows(self.results, self.baseline)
 
   def table(self, header: str | None = None) -> str:
     """The text table the reports print (:func:`remat.table.format_table`)."""
@@ -219,8 +223,13 @@ def resolve_policies(specs: Sequence[str | Policy], tags: set[str] | None = None
 def measure(build: Callable[[Policy], Any], *example_args,
             policies: Sequence[str | Policy] = DEFAULT_POLICIES,
             target: Target | str = 'cpu', time: bool = False, time_steps: int = 5,
-            num_layers: int | None = None, progress: bool = False) -> Report:
+            num_layers: int | None = None, progress: bool = False, reference: Any = None,
+            reference_label: str = 'reference') -> Report:
   """Compiles and measures ``build(policy)`` for every policy; ``none`` is always measured first.
+
+  With ``reference`` (your model as it was, before any stack or policy), that
+  is measured first, as its own row, and every ratio is to it: what a policy
+  saves or costs against the model you had, not against the stack's ``none``.
 
   Args:
     build: ``build(policy) -> program``: a loss ``loss(*args) -> scalar``
@@ -237,6 +246,10 @@ def measure(build: Callable[[Policy], Any], *example_args,
     time_steps: timed calls per policy.
     num_layers: if given, ``seg:K`` specs are checked against it.
     progress: a tqdm progress bar on stderr.
+    reference: the untouched program, a loss or :class:`TrainStep` taking the
+      same ``example_args``; its row comes first and every ratio (temp, peak,
+      FLOPs, time) is to it.
+    reference_label: the reference's row label.
 
   Returns:
     A :class:`Report`: ``results`` per spec, ``front``, ``rows()``, ``table()``.
@@ -247,13 +260,21 @@ def measure(build: Callable[[Policy], Any], *example_args,
     TargetError: an unknown target, or a GPU target without the plugin.
   """
   target = get_target(target) if isinstance(target, str) else target
+  if reference is not None and not (callable(reference) or isinstance(reference, TrainStep)):
+    raise TypeError(f'reference must be the untouched loss function or a TrainStep, got '
+                    f'{type(reference).__name__}')
   tags = program_tags(build, *example_args)
   todo = resolve_policies(policies, tags, num_layers)
+  if reference is not None and reference_label in {p.spec for p in todo}:
+    raise ValueError(f"reference_label '{reference_label}' is also a policy's spec; choose another")
+  todo = ([(reference_label, reference)] if reference is not None else []) + [
+      (p.spec, p) for p in todo]
   if progress:
     from tqdm import tqdm
-    todo = tqdm(todo, desc='compiling', unit='policy', file=sys.stderr)
+    todo = tqdm(todo, desc='compiling', unit='program', file=sys.stderr)
   results = {}
-  for policy in todo:
-    results[policy.spec] = measure_policy(build(policy), *example_args, spec=policy.spec,
-                                          target=target, time=time, time_steps=time_steps)
-  return Report(results, target)
+  for label, policy in todo:
+    program = policy if label == reference_label and reference is not None else build(policy)
+    results[label] = measure_policy(program, *example_args, spec=label, target=target,
+                                    time=time, time_steps=time_steps)
+  return Report(results, target, reference_label if reference is not None else 'none')

@@ -6,6 +6,9 @@
 of arrays or ``jax.ShapeDtypeStruct``. The module is imported by name, so run
 from the directory that holds it (``-m`` puts the current directory on the
 path). Compile only unless ``--time``; figures are defined in docs/measuring.md.
+``--reference package.module:factory`` names your untouched model: ``factory()``
+returns its loss (or TrainStep) on the same example arguments; it is the first
+row and every ratio is to it.
 The shipped models have their own report: ``python -m bench.report``.
 """
 
@@ -30,26 +33,46 @@ class FnError(ValueError):
   """A --fn value that does not name a usable factory; the message is one line."""
 
 
+def _import_factory(text: str, flag: str) -> tuple[Callable, str]:
+  """The callable named ``package.module:factory`` and its attribute name; FnError otherwise."""
+  module_name, sep, attr = text.partition(':')
+  if not sep or not module_name or not attr:
+    raise FnError(f"{flag} '{text}': expected package.module:factory")
+  try:
+    module = importlib.import_module(module_name)
+  except ImportError as e:
+    raise FnError(f"{flag} '{text}': cannot import {module_name}: {e}") from None
+  factory = module
+  for part in attr.split('.'):
+    factory = getattr(factory, part, None)
+    if factory is None:
+      raise FnError(f"{flag} '{text}': {module_name} has no attribute {attr}")
+  if not callable(factory):
+    raise FnError(f"{flag} '{text}': {attr} is not callable")
+  return factory, attr
+
+
+def load_reference(text: str):
+  """Imports ``package.module:factory`` and returns ``factory()``: the untouched loss or TrainStep.
+
+  Raises:
+    FnError: one line saying which part is wrong.
+  """
+  factory, attr = _import_factory(text, '--reference')
+  made = factory()
+  if not (callable(made) or isinstance(made, TrainStep)):
+    raise FnError(f"--reference '{text}': {attr}() must return the untouched loss function (or a "
+                  f'TrainStep) taking the example arguments of --fn, got {type(made).__name__}')
+  return made
+
+
 def load_factory(text: str) -> tuple[Callable, tuple]:
   """Imports ``package.module:factory``, calls it, and checks it returned ``(build, example_args)``.
 
   Raises:
     FnError: one line saying which part is wrong.
   """
-  module_name, sep, attr = text.partition(':')
-  if not sep or not module_name or not attr:
-    raise FnError(f"--fn '{text}': expected package.module:factory")
-  try:
-    module = importlib.import_module(module_name)
-  except ImportError as e:
-    raise FnError(f"--fn '{text}': cannot import {module_name}: {e}") from None
-  factory = module
-  for part in attr.split('.'):
-    factory = getattr(factory, part, None)
-    if factory is None:
-      raise FnError(f"--fn '{text}': {module_name} has no attribute {attr}")
-  if not callable(factory):
-    raise FnError(f"--fn '{text}': {attr} is not callable")
+  factory, attr = _import_factory(text, '--fn')
   made = factory()
   if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])
           and isinstance(made[1], (tuple, list))):
@@ -70,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--policies', default=','.join(DEFAULT_POLICIES),
                  help="specs separated by ',' (by ';' when a spec holds ','); "
                       f"'none' is always added (default: {','.join(DEFAULT_POLICIES)})")
+  p.add_argument('--reference', metavar='package.module:factory',
+                 help='your untouched model: factory() returns its loss (or TrainStep) on the '
+                      "example arguments of --fn; the first row, and every ratio is to it")
   p.add_argument('--target', default='cpu', help=f"compile for: {', '.join(TARGETS)}")
   p.add_argument('--time', action='store_true',
                  help='also run each program (median of 5 after 2 warm-up; local backend only)')
@@ -116,8 +142,9 @@ def main(argv=None) -> int:
     kind = 'train step' if isinstance(build(_none()), TrainStep) else 'value_and_grad of loss'
     header = (f'# {kind}, {args.fn}, target {target.name} ({target.description}), compile only'
               f'{" + timed on the local backend" if args.time else ""} (jax {jax.__version__})')
+    reference = load_reference(args.reference) if args.reference else None
     report = measure(build, *example_args, policies=parse_specs(args.policies), target=target,
-                     time=args.time, progress=True)
+                     time=args.time, progress=True, reference=reference)
   except (PolicyError, TargetError, ValueError) as e:
     print(f'{PROG}: error: {e}', file=sys.stderr)
     return 2
@@ -129,6 +156,7 @@ def main(argv=None) -> int:
   if args.json:
     env = {'jax': jax.__version__, 'backend': jax.default_backend(), 'target': target.name,
            'device': target.description, 'fn': args.fn, 'program': kind,
+           'reference': args.reference,
            'example_args': [str(a) for a in jax.tree_util.tree_leaves(
                jax.eval_shape(lambda *a: a, *example_args))]}
     write_json(args.json, env, {'policies': rows})

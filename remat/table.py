@@ -4,7 +4,8 @@ Shared by ``python -m remat.report --fn`` (any function) and the model-zoo
 report (``python -m bench.report``), so both print and write the same figures.
 A row holds the compiled memory (:mod:`remat.memory`), residuals
 (:mod:`remat.residuals`), FLOPs (:mod:`remat.flops`) and optional step time
-of one policy, with ratios to ``none``.
+of one policy, with ratios to the baseline row: ``none``, or the user's own
+untouched function when one is measured as ``reference`` (then the first row).
 """
 
 from __future__ import annotations
@@ -30,13 +31,16 @@ def pareto_front(points: dict[str, tuple[float, float]]) -> set[str]:
   return front
 
 
-def rows(results: dict[str, Any]) -> list[dict]:
-  """One JSON-ready row per policy, with ratios to 'none' and the Pareto flag.
+def rows(results: dict[str, Any], baseline: str = 'none') -> list[dict]:
+  """One JSON-ready row per policy, with ratios to ``baseline`` and the Pareto flag.
 
   Args:
-    results: spec -> :class:`remat.measuring.Measurement`; must hold 'none'.
+    results: spec (or the reference's label) -> :class:`remat.measuring.Measurement`;
+      must hold ``baseline``.
+    baseline: the row every ratio is to: 'none', or the label of the user's
+      untouched function.
   """
-  base = results['none']
+  base = results[baseline]
   ratio = lambda a, b: (a / b) if a is not None and b else None
   front = pareto_front({s: (m.memory.temp, m.flops.flops) for s, m in results.items()})
   out = []
@@ -49,6 +53,7 @@ def rows(results: dict[str, Any]) -> list[dict]:
         'residual_top_sources': by_source(list(m.residuals), top=8),
         'flops': m.flops.flops, 'flops_exact': m.flops.exact,
         'memory_ratio': ratio(m.memory.temp, base.memory.temp),
+        'peak_ratio': ratio(m.memory.peak, base.memory.peak), 'baseline': baseline,
         'recompute_ratio': ratio(m.flops.flops, base.flops.flops),
         'step_seconds': m.step_seconds, 'time_ratio': ratio(m.step_seconds, base.step_seconds),
         'pareto': spec in front})
@@ -56,14 +61,23 @@ def rows(results: dict[str, Any]) -> list[dict]:
 
 
 def format_table(table: list[dict], header: str, timed: bool) -> str:
-  """The text table: one line per row of :func:`rows` under ``header``."""
-  cols = f"{'policy':<26}{'temp':>11}{'peak':>11}{'residual':>11}{'host':>12}{'mem/none':>9}{'recompute':>10}"
+  """The text table: one line per row of :func:`rows` under ``header``.
+
+  Against a reference (the user's untouched function) the ratio columns are
+  ``temp/ref``, ``peak/ref`` and ``flops/ref``; against ``none`` they are
+  ``mem/none`` and ``recompute``, as they always were.
+  """
+  ref = bool(table) and table[0].get('baseline', 'none') != 'none'
+  cols = f"{'policy':<26}{'temp':>11}{'peak':>11}{'residual':>11}{'host':>12}"
+  cols += f"{'temp/ref':>9}{'peak/ref':>9}{'flops/ref':>10}" if ref else \
+      f"{'mem/none':>9}{'recompute':>10}"
   cols += f"{'time':>8}" if timed else ''
   lines = [header, cols + '  pareto']
   for r in table:
     line = (f"{r['policy']:<26}{format_bytes(r['temp']):>11}{format_bytes(r['peak']):>11}"
             f"{format_bytes(r['residual_bytes']):>11}{format_bytes(r['host_temp']):>12}"
-            f"{r['memory_ratio']:>8.1%}{r['recompute_ratio']:>9.3f}x")
+            f"{r['memory_ratio']:>8.1%}" + (f"{r['peak_ratio']:>8.1%} " if ref else '')
+            + f"{r['recompute_ratio']:>9.3f}x")
     if timed:
       line += f"{r['time_ratio']:>7.2f}x"
     lines.append(line + ('  *' if r['pareto'] else ''))
@@ -74,7 +88,11 @@ def footer(table: list[dict], target_name: str) -> list[str]:
   """Lines printed under the table: the legend, and the CPU offload caveat when it applies."""
   from remat.policies import get_policy
   lines = [LEGEND]
-  if target_name == 'cpu' and any(get_policy(r['policy']).offloads for r in table):
+  if table and table[0].get('baseline', 'none') != 'none':
+    lines.append(f"# temp/ref, peak/ref, flops/ref and time: ratios to '{table[0]['baseline']}', "
+                 'your untouched function (the first row), not to the stack under none')
+  specs = [r['policy'] for r in table if r['policy'] != r.get('baseline', 'none')] + ['none']
+  if target_name == 'cpu' and any(get_policy(s).offloads for s in specs):
     lines.append(OFFLOAD_NOTE)
   return lines
 

@@ -82,3 +82,24 @@ def test_train_step_donates_and_times_on_real_arrays():
   assert full.flops.flops == 3 * FORWARD + UP      # the SGD update has no matmul
   assert none.step_seconds > 0 and full.step_seconds > 0 and report.timed
   assert float(state['params'][0][0, 0, 0]) == pytest.approx(0.01)  # the caller's arrays survive
+
+
+def test_reference_is_the_first_row_and_every_ratio_is_to_it():
+  """measure(..., reference=fn): the untouched model is row one and the ratios' denominator."""
+  report = remat.measure(user_mlp.build, *user_mlp.example_args(), policies=['full'],
+                         reference=user_mlp.untouched)
+  assert list(report.results) == ['reference', 'none', 'full'] and report.baseline == 'reference'
+  ref = report.results['reference']
+  # The same matmuls as the stack's none, less one: no gradient flows into x, so the unrolled
+  # program drops the first layer's h @ w1 input gradient, which a scan body computes every layer.
+  assert ref.flops.flops == 3 * FORWARD - 2 * B * D * H
+  rows = {r['policy']: r for r in report.rows()}
+  for spec, m in report.results.items():
+    assert rows[spec]['memory_ratio'] == m.memory.temp / ref.memory.temp
+    assert rows[spec]['peak_ratio'] == m.memory.peak / ref.memory.peak
+    assert rows[spec]['recompute_ratio'] == m.flops.flops / ref.flops.flops
+  lines = report.table().splitlines()
+  assert 'temp/ref' in lines[1] and 'peak/ref' in lines[1] and 'mem/none' not in lines[1]
+  assert [line.split()[0] for line in lines[2:]] == ['reference', 'none', 'full']
+  # Without a reference nothing changes: none is the first row and the baseline.
+  assert remat.measure(user_mlp.build, *user_mlp.example_args(), policies=[]).baseline == 'none'

@@ -67,4 +67,4 @@ def test_wrong_signature_fails_in_one_line():
   stack = NNXStack(NNXBlock, 2, 'full', rngs=nnx.Rngs(0))
   with pytest.raises(StackSignatureError) as e:
     stack(inputs(), 1.0, 2.0)
-  _one_line(e, 'NNXStack calls block(x, *args[, rng=key])')
+  _one_line(e, 'NNXStack calls block(x[, xs_i], *args[, rng=key]')

@@ -27,6 +27,27 @@ def test_fn_prints_the_table_and_json(tmp_path, capsys):
   assert data['policies'][1]['recompute_ratio'] == pytest.approx(7 / 6)  # test_measuring
 
 
+def test_reference_is_the_first_row(capsys):
+  assert report.main(['--fn', 'user_mlp:factory', '--policies', 'full',
+                      '--reference', 'user_mlp:reference']) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert 'temp/ref' in lines[1]
+  assert [l.split()[0] for l in lines[2:5]] == ['reference', 'none', 'full']
+  row = lines[2].split()
+  assert row[row.index('100.0%'):][:3] == ['100.0%', '100.0%', '1.000x']   # temp, peak, flops
+
+
+@pytest.mark.parametrize('ref,needle', [
+    ('user_mlp', "--reference 'user_mlp': expected package.module:factory"),
+    ('user_mlp:nope', 'user_mlp has no attribute nope'),
+    ('user_mlp:example_args', 'must return the untouched loss function (or a TrainStep)'),
+])
+def test_bad_reference_is_one_line(ref, needle, capsys):
+  assert report.main(['--fn', 'user_mlp:factory', '--reference', ref]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith('remat.report: error: ') and needle in err[0]
+
+
 @pytest.mark.parametrize('fn,needle', [
     ('user_mlp', "expected package.module:factory"),
     ('no_such_module_xyz:factory', 'cannot import no_such_module_xyz'),

@@ -73,7 +73,7 @@ def test_wrong_signatures_fail_in_one_line(layer, args, needle):
   with pytest.raises(StackSignatureError) as e:
     scan_layers(layer, stacked_params(), inputs(), *args, policy='full')
   _one_line(e, needle)
-  assert 'scan_layers calls layer_fn(params, x, *args' in str(e.value)
+  assert 'scan_layers calls layer_fn(params, x[, xs_i], *args' in str(e.value)
 
 
 @pytest.mark.parametrize('bad', [None, 7, jax.checkpoint_policies.nothing_saveable])

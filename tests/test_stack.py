@@ -126,4 +126,4 @@ def test_wrong_block_signature_fails_in_one_line(args, needle):
   with pytest.raises(StackSignatureError) as e:
     LayerStack(_Flagged, 3, 'full').init(jax.random.PRNGKey(0), jnp.ones((2, 4)), *args)
   msg = str(e.value)
-  assert needle in msg and 'LayerStack calls block(x, *args' in msg and '\n' not in msg
+  assert needle in msg and 'LayerStack calls block(x[, xs_i], *args' in msg and '\n' not in msg
