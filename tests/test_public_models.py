@@ -15,9 +15,9 @@ import pytest
 from remat.measuring import step_memory
 from remat.targets import get_target, gpu_plugin_available
 from tests.numerics import assert_trees_close
-from tests.public_models import gemma, lm1b
+from tests.public_models import bert, gemma, lm1b, vit
 
-CASES = {'gemma': gemma.case, 'lm1b': lm1b.case}
+CASES = {'bert': bert.case, 'gemma': gemma.case, 'lm1b': lm1b.case, 'vit': vit.case}
 # (spec, the largest temp allowed as a fraction of the untouched model's), issue 23.
 BOUNDS = (('none', 1.05), ('full', 0.4), ('sqrt', 0.7))
 

@@ -159,7 +159,7 @@ def case(cfg: Config = Config(), batch: int = 8, seed: int = 0):
     layers = [p['layers'][i] for i in range(cfg.num_layers)]
     out = {k: v for k, v in p.items() if k != 'layers'}
     out['layers'] = {'layers': jax.tree_util.tree_map(lambda *a: jnp.stack(a), *layers)}
-    state = stacked_model('none')[1]
+    state = jax.tree_util.tree_map(lambda a: a, stacked_model('none')[1])  # a fresh State
     nnx.replace_by_pure_dict(state, out)
     return state
 
