@@ -66,3 +66,23 @@ def test_stack_plans_no_more_than_untouched_cpu(name):
 @pytest.mark.parametrize('name', sorted(CASES))
 def test_stack_plans_no_more_than_untouched_h200(name):
   _check(name, 'h200')
+
+
+# Our own models against their unrolled form (remat.layout.unrolled_reference: the stack as a
+# Python loop, no checkpoint), at the default configs' shapes; slow (three compiles of each).
+ZOO = {'tiny': (8, 128), 'vit-tiny': (32, 32), 'llama-tiny': (8, 128)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('config', sorted(ZOO))
+def test_our_models_plan_no_more_than_unrolled_cpu(config):
+  from bench.zoo import grad_memory
+  from configs import load_config
+  from remat.layout import unrolled_reference
+  cfg, (batch, size) = load_config(config).model, ZOO[config]
+  target = get_target('cpu')
+  with unrolled_reference():
+    ref = grad_memory(cfg, 'none', batch, size, target).temp
+  for spec, bound in BOUNDS:
+    temp = grad_memory(cfg, spec, batch, size, target).temp
+    assert temp <= bound * ref, (config, spec, temp, ref)
