@@ -39,7 +39,9 @@ def temps(name, target):
   return out
 
 
-@pytest.mark.parametrize('name', sorted(CASES))
+# One model's gradients in the default suite (~6 s each on 2 cores); the other three are slow.
+@pytest.mark.parametrize('name', [n if n == 'vit' else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in sorted(CASES)])
 def test_gradients_equal_untouched(name):
   c = _case(name)
   want = c.stack(jax.jit(jax.grad(c.untouched))(c.params, c.batch))
