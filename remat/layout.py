@@ -1,4 +1,4 @@
-"""What a stacked layer keeps for its backward pass when the policy keeps "everything".
+"""How a stack lays out its layers: the lean rule for "no recomputation", and the unrolled reference.
 
 Under ``none`` (and inside the segments of ``sqrt``, ``seg:K``, ``stage``)
 the user asked for no recomputation. In the user's own, unrolled model XLA
