@@ -6,12 +6,15 @@ linen, :class:`remat.NNXStack` for NNX) reduces its stack to
 (parameters, dropout keys, mutable state) are stacked ``[N, ...]``. The
 policy decides the loop nest:
 
-* per layer: one scan of N layers, each in ``jax.checkpoint`` with the rule
-  (no checkpoint at all for ``none``);
+* per layer: one scan of N layers, each in ``jax.checkpoint`` with the rule;
+  ``none`` keeps every value an expensive operation produced and rebuilds the
+  cheap elementwise ones in the backward pass (:func:`remat.layout.lean_saveable`),
+  as XLA's fusion does in an unrolled model, where a plain scan would
+  materialise all of them as ``[N, ...]`` loop outputs;
 * segmented (``sqrt``, ``seg:K``, ``stage``): a scan over N // K segments,
   each in ``jax.checkpoint(policy=nothing_saveable)`` so only its input is
-  saved, the per-layer rule applied inside it, then one remainder segment of
-  N % K layers.
+  saved, the per-layer rule (for ``none`` the lean one) applied inside it,
+  then one remainder segment of N % K layers.
 
 ``prevent_cse=False`` only inside a loop of length > 1; a loop of one
 iteration (a one-layer stack, a remainder, a ``stage`` segment) is still a
@@ -33,6 +36,7 @@ from typing import Any, Callable, Hashable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
+from remat.layout import lean_saveable, run_unrolled, unrolled_active
 from remat.policies import Policy, PolicyError, get_policy
 from remat.tags import iter_eqns
 
@@ -56,7 +60,7 @@ def _layer(step: Callable, rule, prevent_cse: bool) -> Callable:
 
 
 def _run_layers(step: Callable, x, xs, length: int, rule):
-  """``lax.scan(step, x, xs)`` over ``length`` layers, each under ``rule`` (None: no remat)."""
+  """``lax.scan(step, x, xs)`` over ``length`` layers, each under ``rule``."""
   # prevent_cse=False is safe only inside a loop that stays a loop; XLA inlines length-1 ones.
   return jax.lax.scan(_layer(step, rule, prevent_cse=length == 1), x, xs)
 
@@ -90,9 +94,12 @@ def segmented_scan(step: Callable, x, xs, num_layers: int, policy: Policy):
   Returns:
     ``(x, ys)`` as from ``lax.scan``: ``ys`` stacked ``[N, ...]``.
   """
+  if unrolled_active():  # the measuring reference: the user's loop, no checkpoint
+    return run_unrolled(step, x, xs, num_layers)
   if policy.mixed:
     return _mixed_scan(step, x, xs, num_layers, policy)
-  rule = policy._layer_policy()
+  # `none` keeps what no fusion could rebuild cheaply: see remat/layout.py for why and the bytes.
+  rule = policy._layer_policy() or lean_saveable
   size = policy.segment_size(num_layers)
   if num_layers == 1:
     body = _layer(step, rule, prevent_cse=True)

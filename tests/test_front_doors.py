@@ -59,9 +59,13 @@ def reference():
 def test_memory_follows_the_spec(door):
   ref, _ = reference()
   none, full, sqrt = (temp_bytes(DOORS[door](s)) for s in ('none', 'full', 'sqrt'))
-  assert abs(none - ref) <= 0.02 * ref, (none, ref)
-  assert full <= 0.15 * none, (full, none)
-  assert full < sqrt < none, (full, sqrt, none)
+  # `none` never plans more than the hand-written scan with no remat (it plans less: the lean
+  # rule of remat/layout.py rebuilds tanh(h) ** 2 from h instead of keeping it).
+  assert none <= ref, (none, ref)
+  assert full <= 0.15 * ref, (full, ref)
+  # sqrt stays below the no-remat scan, but no longer below `none`: this MLP's lean `none` keeps
+  # one [B, H] array per layer, less than sqrt's segment inputs plus a segment's recompute.
+  assert full < sqrt < ref, (full, sqrt, ref)
 
 
 @pytest.mark.parametrize('door', DOORS)
@@ -75,7 +79,7 @@ def test_every_spec_gives_the_no_remat_gradients(door):
 def test_one_iteration_loops_need_the_cpu_options():
   # Four stacks ('stages') of 4 layers: `stage` checkpoints each stack as one segment, a
   # loop of one iteration, which XLA CPU inlines and then undoes unless the compile
-  # options turn that pass off (docs/own-model.md: 100% of none without, 61% with).
+  # options turn that pass off (docs/own-model.md has the bytes with and without them).
   from remat.targets import CPU_COMPILER_OPTIONS
 
   def loss(spec):
@@ -86,9 +90,11 @@ def test_one_iteration_loops_need_the_cpu_options():
       return jnp.sum(x ** 2)
     return f
 
-  def temp(spec):
+  def temp(spec, options=CPU_COMPILER_OPTIONS):
     compiled = jax.jit(jax.grad(loss(spec))).lower(stacked_params(), inputs()).compile(
-        compiler_options=CPU_COMPILER_OPTIONS)
+        compiler_options=options)
     return compiled_memory(compiled).temp
 
-  assert temp('stage') < 0.8 * temp('none')
+  # Measured: 17.75 MB with the options, 21.42 MB without (83%; before the lean `none` rule
+  # of remat/layout.py the layers kept more and the gap was 61% against 100%).
+  assert temp('stage') < 0.9 * temp('stage', options=None)

@@ -1,0 +1,50 @@
+"""Prints docs/own-model.md's table: each public model's loss-gradient temp, untouched and stacked.
+
+    PYTHONPATH=. python -m tests.public_models.table [--targets cpu,h200]
+"""
+
+import argparse
+import time
+
+from remat.targets import prefer_cpu_without_gpu
+
+prefer_cpu_without_gpu()
+
+import jax  # noqa: E402
+
+from remat.measuring import step_memory  # noqa: E402
+from remat.memory import format_bytes  # noqa: E402
+from remat.targets import get_target  # noqa: E402
+from tests.public_models import bert, gemma, lm1b, vit  # noqa: E402
+
+MODELS = {'Flax lm1b Transformer LM (linen)': lm1b.case, 'Gemma-style (NNX)': gemma.case,
+          'big_vision ViT (linen)': vit.case, 'Equinox BERT': bert.case}
+SPECS = ('none', 'full', 'sqrt', 'dots')
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument('--targets', default='cpu,h200')
+  args = ap.parse_args()
+  print(f'jax {jax.__version__}; loss-gradient temp (XLA memory_analysis), stack / untouched')
+  print('| model | plan | untouched | ' + ' | '.join(f'`{s}`' for s in SPECS) + ' | compile untouched / none |')
+  print('|---|---|---|' + '---|' * len(SPECS) + '---|')
+  for name, make in MODELS.items():
+    c = make()
+    for tname in args.targets.split(','):
+      t = get_target(tname)
+      t0 = time.perf_counter()
+      ref = step_memory(c.untouched, c.params, c.batch, target=t).temp
+      t_ref = time.perf_counter() - t0
+      cells, t_none = [], None
+      for spec in SPECS:
+        t0 = time.perf_counter()
+        temp = step_memory(c.stacked(spec), c.stack(c.params), c.batch, target=t).temp
+        t_none = t_none or time.perf_counter() - t0
+        cells.append(f'{format_bytes(temp)} ({temp / ref:.2f}x)')
+      print(f'| {name} | {tname.upper()} | {format_bytes(ref)} | ' + ' | '.join(cells)
+            + f' | {t_ref:.1f} s / {t_none:.1f} s |', flush=True)
+
+
+if __name__ == '__main__':
+  main()

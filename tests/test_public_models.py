@@ -1,0 +1,90 @@
+"""Public models, untouched and on the library: equal gradients, and the stack never plans more.
+
+The models (tests/public_models/) are re-implementations of the Flax lm1b example's
+Transformer LM, an NNX Gemma, a big_vision ViT and the Equinox BERT example. For
+each, the loss gradient is compiled (``remat.measuring.step_memory``: parameters are
+arguments, gradients outputs, so ``temp`` is the activation memory) and compared
+with the untouched model's: ``none`` at most 1.05x its temp (the stack costs nothing
+for stacking), ``full`` at most 0.4x and ``sqrt`` at most 0.7x. docs/own-model.md has
+the figures.
+"""
+
+import jax
+import pytest
+
+from remat.measuring import step_memory
+from remat.targets import get_target, gpu_plugin_available
+from tests.numerics import assert_trees_close
+from tests.public_models import bert, gemma, lm1b, vit
+
+CASES = {'bert': bert.case, 'gemma': gemma.case, 'lm1b': lm1b.case, 'vit': vit.case}
+# (spec, the largest temp allowed as a fraction of the untouched model's), issue 23.
+BOUNDS = (('none', 1.05), ('full', 0.4), ('sqrt', 0.7))
+
+_cases = {}
+
+
+def _case(name):
+  if name not in _cases:
+    _cases[name] = CASES[name]()
+  return _cases[name]
+
+
+def temps(name, target):
+  c = _case(name)
+  t = get_target(target)
+  out = {'untouched': step_memory(c.untouched, c.params, c.batch, target=t).temp}
+  for spec, _ in BOUNDS:
+    out[spec] = step_memory(c.stacked(spec), c.stack(c.params), c.batch, target=t).temp
+  return out
+
+
+# One model's gradients in the default suite (~6 s each on 2 cores); the other three are slow.
+@pytest.mark.parametrize('name', [n if n == 'vit' else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in sorted(CASES)])
+def test_gradients_equal_untouched(name):
+  c = _case(name)
+  want = c.stack(jax.jit(jax.grad(c.untouched))(c.params, c.batch))
+  for spec in ('none', 'sqrt', 'full'):
+    got = jax.jit(jax.grad(c.stacked(spec)))(c.stack(c.params), c.batch)
+    assert_trees_close(got, want, err_msg=f'{name} {spec}: ')
+
+
+def _check(name, target):
+  t = temps(name, target)
+  assert _case(name).num_layers >= 6
+  for spec, bound in BOUNDS:
+    assert t[spec] <= bound * t['untouched'], (name, target, spec, t)
+
+
+@pytest.mark.parametrize('name', sorted(CASES))
+def test_stack_plans_no_more_than_untouched_cpu(name):
+  _check(name, 'cpu')
+
+
+@pytest.mark.gpu_plan
+@pytest.mark.slow
+@pytest.mark.skipif(not gpu_plugin_available(), reason='needs the gpu-plan extra')
+@pytest.mark.parametrize('name', sorted(CASES))
+def test_stack_plans_no_more_than_untouched_h200(name):
+  _check(name, 'h200')
+
+
+# Our own models against their unrolled form (remat.layout.unrolled_reference: the stack as a
+# Python loop, no checkpoint), at the default configs' shapes; slow (three compiles of each).
+ZOO = {'tiny': (8, 128), 'vit-tiny': (32, 32), 'llama-tiny': (8, 128)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('config', sorted(ZOO))
+def test_our_models_plan_no_more_than_unrolled_cpu(config):
+  from bench.zoo import grad_memory
+  from configs import load_config
+  from remat.layout import unrolled_reference
+  cfg, (batch, size) = load_config(config).model, ZOO[config]
+  target = get_target('cpu')
+  with unrolled_reference():
+    ref = grad_memory(cfg, 'none', batch, size, target).temp
+  for spec, bound in BOUNDS:
+    temp = grad_memory(cfg, spec, batch, size, target).temp
+    assert temp <= bound * ref, (config, spec, temp, ref)
