@@ -24,9 +24,10 @@ from training import checkpoints as ckpt
 from training import mesh as meshlib
 from training import rundir
 from training import steps as st
-from training.data import load_text
 from training.images import load_images
 from training.tasks import Task
+from training.text_source import (HF_CONFIG_PREFIX, load_named, open_text, save_tokenizer,
+                                  tokenizer_for_run)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,7 @@ class TrainConfig:
   skip_nonfinite: int = 0
   mesh: str | None = None  # --mesh AXIS=N,...; None: one device (training/mesh.py)
   dtype: str | None = None
+  tokenizer: str | None = None  # None: --init-from's tokenizer, else bytes (training/tokenizer.py)
 
   @property
   def out_dir(self) -> Path:
@@ -108,7 +110,7 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
     :func:`train` resolves by compiling (:mod:`training.autoremat`).
   """
   _check_positive(cfg)
-  named = with_dtype(load_config(cfg.config), cfg.dtype)
+  named = with_dtype(load_named(cfg.config), cfg.dtype)
   if cfg.model is not None and cfg.model != named.arch:
     raise RunError(f"--model {cfg.model} does not match config {named.name} (a {named.arch} "
                    f"model); {cfg.model} configs: {', '.join(config_names(cfg.model))}")
@@ -129,9 +131,9 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
     size = cfg.seq_len
     if size > model_cfg.max_len:
       raise RunError(f'--seq-len {size} exceeds config {named.name} max_len {model_cfg.max_len}')
-    if model_cfg.vocab_size < 256:
-      raise RunError(f'config {named.name} has vocab_size {model_cfg.vocab_size}; '
-                     'byte data needs >= 256')
+    # The tokenizer's vocabulary must fit the embedding (a fresh model is sized to it).
+    named = tokenizer_for_run(cfg, named)[1]
+    task = Task(named.model)
   if is_auto(cfg.remat):   # a budget: checked here, resolved to a policy by train() (compiles)
     parse_budget(cfg.remat)
     return named, task, size, None
@@ -198,6 +200,8 @@ def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
   if cfg.init_from and not cfg.resume:
     from models.hf import load_hf
     pretrained = load_hf(cfg.init_from, expect_arch=named.arch, config=named.model)[2]
+  if cfg.config.startswith(HF_CONFIG_PREFIX):
+    log(f'model: no shipped config has the shape of {cfg.init_from}; built from its config.json')
   data = _data(cfg, task, size, log)
   auto_choice = None
   if policy is None:
@@ -209,6 +213,8 @@ def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
   except OSError as e:
     raise RunError(f"--out '{out}' cannot be created: {e.strerror}") from None
   with rundir.RunLock(out) if place.is_primary else contextlib.nullcontext():
+    if place.is_primary and not task.is_vision:
+      save_tokenizer(cfg, out)   # the run folder carries its tokenizer (export, sampling)
     return _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn, place,
                          auto_choice)
 
@@ -277,6 +283,8 @@ def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
   model = task.model(policy)
   tx = st.make_optimizer(cfg.lr, cfg.steps, cfg.warmup_steps, cfg.weight_decay, cfg.grad_clip)
   state_shape, batch_shape = st.abstract_inputs(model, tx, cfg.batch_size, size, cfg.seed)
+  if not task.is_vision:  # the data's own batch format (packed windows are a dict)
+    batch_shape = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), val[0])
   # Restore before compiling: a folder without an intact checkpoint, or one already at
   # --steps, is reported in seconds rather than after the compile.
   if saved_step is not None:
@@ -334,7 +342,7 @@ def _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, m
       finite = math.isfinite(loss) and math.isfinite(grad_norm)
       row = {'step': step + 1, 'loss': round(loss, 5), 'grad_norm': round(grad_norm, 5),
              f'{"images" if task.is_vision else "tokens"}_per_s': round(per_step / (t1 - t0), 1),
-             'policy': policy.spec}
+             'policy': policy.spec, **({} if task.is_vision else {'tokens': (step + 1) * per_step})}
       bad_in_row = 0 if finite else bad_in_row + 1
       if not finite:
         row['skipped'] = bad_in_row <= cfg.skip_nonfinite  # else the run stops at this row
@@ -363,7 +371,8 @@ def _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, m
   if rows and 'val_loss' in rows[-1]:
     last = rows[-1]
     what = (f"val loss {last['val_loss']:.3f}, val accuracy {last['val_accuracy']:.1%}"
-            if task.is_vision else f"val loss {last['val_loss']:.3f} nats/byte")
+            if task.is_vision else f"val loss {last['val_loss']:.3f} nats/"
+            f"{'byte' if tokenizer_for_run(cfg)[0].name == 'bytes' else 'token'}")
     log(f"done: step {last['step']}, train loss {last['loss']:.3f}, {what}; "
         f"metrics and checkpoints in {out}")
   return rows
@@ -394,11 +403,7 @@ def _data(cfg: TrainConfig, task: Task, size: int, log):
     log(f'data: {data.source}: a fresh training batch every step, {len(val) * cfg.batch_size} '
           'held-out images')
     return batch_at, val
-  data = load_text(cfg.data, size)
-  log(f'data: {data.source}: {data.num_files} files, {len(data.train):,} train / '
-        f'{len(data.val):,} val bytes')
-  batch_at = lambda step: data.batch(step, cfg.batch_size, size, cfg.seed)
-  return batch_at, data.val_batches(cfg.eval_batches, cfg.batch_size, size)
+  return open_text(cfg, size, log)
 
 
 def _pretrained_state(variables: dict, tx) -> st.TrainState:
@@ -410,10 +415,11 @@ def _pretrained_state(variables: dict, tx) -> st.TrainState:
 
 
 def matching_config(path: str) -> str:
-  """The shipped config whose model shape equals that of the Hugging Face checkpoint at ``path``.
+  """The shipped config whose model shape equals that of the Hugging Face checkpoint at ``path``,
+  else ``hf:PATH``: the model built from the checkpoint's own config.json.
 
   Raises:
-    RunError: one line, naming the checkpoint's shape when no shipped config has it.
+    HFImportError: one line, for a folder or config.json that cannot be used.
   """
   from models.hf import load_hf_config
   arch, hf_cfg = load_hf_config(path)
@@ -425,8 +431,7 @@ def matching_config(path: str) -> str:
             if hasattr(ours, f) and (f != 'image_size' or arch == 'resnet')}
     if ours == dataclasses.replace(hf_cfg, **same):
       return name
-  raise RunError(f'--init-from {path}: no shipped {arch} config has its shape ({hf_cfg}); '
-                 'pass --config NAME of a config with that shape')
+  return HF_CONFIG_PREFIX + str(path)
 
 
 def _image_batch(pair):
