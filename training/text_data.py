@@ -201,8 +201,9 @@ def _build(folder: Path, files: list[Path], jsonl: bool, tokenizer, source: str)
     total = sum(f.stat().st_size for f in files)
     streams = {'train': _Stream(tmp, 'train'), 'val': _Stream(tmp, 'val')}
     docs = 0
+    # leave=False: the bar is cleared when done (or failed); the data line says what happened.
     with tqdm(total=total, unit='B', unit_scale=True, desc=f'tokenizing {source}',
-              file=sys.stderr, mininterval=0.5) as bar:
+              file=sys.stderr, mininterval=0.5, leave=False) as bar:
       texts = (_rows(f, bar) for f in files) if jsonl else iter([_text_docs(files, bar)])
       for stream in texts:
         for chunk in _chunks(stream, CHUNK_DOCS):
