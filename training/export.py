@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -106,6 +107,7 @@ def export(run_dir, out_dir, dtype: str = 'float32', max_shard_bytes: int = DEFA
   out.parent.mkdir(parents=True, exist_ok=True)
   tmp = Path(tempfile.mkdtemp(prefix=f'.{out.name}.', dir=out.parent))
   try:
+    _permissions(tmp, 0o777)   # mkdtemp makes it private; the folder is for sharing
     (tmp / 'config.json').write_text(json.dumps(hf_config, indent=2) + '\n')
     files = ['config.json'] + write_weights(tmp, state_dict, max_shard_bytes)
     for name in (TOKENIZER_FILE,) + COMPANION_FILES:
@@ -115,6 +117,8 @@ def export(run_dir, out_dir, dtype: str = 'float32', max_shard_bytes: int = DEFA
     for name, obj in EXTRA_FILES.get(arch, lambda _: {})(run.task.config).items():
       (tmp / name).write_text(json.dumps(obj, indent=2) + '\n')
       files.append(name)
+    for f in tmp.iterdir():   # safetensors writes its files owner-only
+      _permissions(f, 0o666)
     if out.exists():
       out.rmdir()   # empty (checked above)
     tmp.rename(out)
@@ -125,6 +129,13 @@ def export(run_dir, out_dir, dtype: str = 'float32', max_shard_bytes: int = DEFA
   log(f'exported step {run.step} of {run_dir} ({arch}, {size / 2**20:.1f} MiB of {dtype} '
       f"weights) to {out}: {', '.join(files)}")
   return out
+
+
+def _permissions(path: Path, mode: int):
+  """``chmod`` to ``mode`` less the umask, as a plain ``open``/``mkdir`` would have made it."""
+  umask = os.umask(0)
+  os.umask(umask)
+  path.chmod(mode & ~umask)
 
 
 def _bos(tok_dir: Path, tok) -> int | None:
