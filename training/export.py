@@ -114,6 +114,10 @@ def export(run_dir, out_dir, dtype: str = 'float32', max_shard_bytes: int = DEFA
       if (tok_dir / name).is_file():
         shutil.copyfile(tok_dir / name, tmp / name)
         files.append(name)
+    if (tok_dir / TOKENIZER_FILE).is_file() and not (tok_dir / 'tokenizer_config.json').is_file():
+      # A bare tokenizer.json: name its end-of-text token, so AutoTokenizer knows the eos_token.
+      (tmp / 'tokenizer_config.json').write_text(json.dumps({'eos_token': tok.eot_token}) + '\n')
+      files.append('tokenizer_config.json')
     for name, obj in EXTRA_FILES.get(arch, lambda _: {})(run.task.config).items():
       (tmp / name).write_text(json.dumps(obj, indent=2) + '\n')
       files.append(name)
