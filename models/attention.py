@@ -85,7 +85,7 @@ BLOCK_K = 256
 
 
 def attention(q, k, v, *, causal: bool, dropout_rate: float, deterministic: bool, rng,
-              implementation: str = 'auto'):
+              implementation: str = 'auto', segment_ids=None):
   """Softmax attention of [B, T, H, Dh] queries over [B, T, Hkv, Dh] keys and values.
 
   Values are those of ``dropout(softmax(q k^T / sqrt(Dh))) v`` for every
@@ -102,6 +102,9 @@ def attention(q, k, v, *, causal: bool, dropout_rate: float, deterministic: bool
     deterministic: no dropout.
     rng: dropout key (a raw uint32 key); unused when deterministic or the rate is 0.
     implementation: ``'auto'``, ``'dense'``, ``'blockwise'`` or ``'cudnn'`` (module docstring).
+    segment_ids: None, or int ``[B, T]``: the document each position belongs to in a
+      window packed from several documents. A query attends only to keys of its own
+      segment (on every implementation), so no document sees another.
 
   Returns:
     The context [B, T, H, Dh], tagged ``context``.
@@ -111,18 +114,21 @@ def attention(q, k, v, *, causal: bool, dropout_rate: float, deterministic: bool
       ``'cudnn'`` with dropout or float32 inputs.
   """
   _check_shapes(q, k, v)
+  if segment_ids is not None and segment_ids.shape != q.shape[:2]:
+    raise ValueError(f'attention: segment_ids must be [B, T] = {q.shape[:2]}, got '
+                     f'{segment_ids.shape}')
   rate = 0.0 if deterministic else float(dropout_rate)
   if rate > 0.0 and rng is None:
     raise ValueError('attention dropout in training mode needs a key (rng)')
   impl = resolve_implementation(implementation, q, rate)
   key = rng if rate > 0.0 else jnp.zeros((2,), jnp.uint32)
   if impl == 'dense':
-    ctx = _attention(q, k, v, key, causal, rate)
+    ctx = _attention(q, k, v, key, segment_ids, causal, rate)
   elif impl == 'blockwise':
     ctx = blockwise_attention(q, k, v, key, causal=causal, rate=rate, block_q=BLOCK_Q,
-                              block_k=BLOCK_K)
+                              block_k=BLOCK_K, segment_ids=segment_ids)
   else:
-    ctx = _cudnn_attention(q, k, v, causal, rate)
+    ctx = _cudnn_attention(q, k, v, causal, rate, segment_ids)
   return checkpoint_name(ctx, 'context')
 
 
@@ -203,11 +209,19 @@ def _einsum(expr: str, x, y, **kwargs):
 # ----------------------------------------------------------------------------- dense
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def _exp_scores(q, k, causal: bool):
+def _same_segment(segs):
+  """[B, T] segment ids -> [B, 1, 1, T, T] booleans: key in the query's segment (None: None)."""
+  if segs is None:
+    return None
+  return (segs[:, :, None] == segs[:, None, :])[:, None, None]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def _exp_scores(q, k, segs, causal: bool):
   """``exp(scores - row max)`` [B, Hkv, G, T, T] and its row sums, for grouped heads.
 
-  ``q`` is [B, Hkv, G, T, Dh], ``k`` [B, Hkv, T, Dh]. Only ever called inside
+  ``q`` is [B, Hkv, G, T, Dh], ``k`` [B, Hkv, T, Dh], ``segs`` None or the
+  [B, T] segment ids (keys of another segment are masked). Only ever called inside
   :func:`_attention`'s rules, never differentiated: the rule below declares
   the outputs constant. It is a ``custom_jvp`` so that remat policies see one
   call instead of its ``dot_general``: ``dots`` then saves the projections
@@ -219,6 +233,8 @@ def _exp_scores(q, k, causal: bool):
     t = q.shape[3]
     scores = jnp.where(jnp.tril(jnp.ones((t, t), dtype=bool)), scores,
                        jnp.finfo(scores.dtype).min)
+  if segs is not None:   # every row keeps its own position (its segment), so no row is empty
+    scores = jnp.where(_same_segment(segs), scores, jnp.finfo(scores.dtype).min)
   # jax.nn.softmax's operations: exp(x - max) / sum(exp(x - max)).
   unnormalised = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
   return unnormalised, jnp.sum(unnormalised, axis=-1, keepdims=True)
@@ -230,9 +246,9 @@ def _exp_scores_jvp(causal, primals, tangents):
   return out, tuple(jnp.zeros_like(o) for o in out)
 
 
-def _probs(q, k, causal):
+def _probs(q, k, segs, causal):
   """Softmax probabilities [B, Hkv, G, T, T] of grouped heads."""
-  unnormalised, row_sum = _exp_scores(q, k, causal)
+  unnormalised, row_sum = _exp_scores(q, k, segs, causal)
   return unnormalised / row_sum
 
 
@@ -249,32 +265,32 @@ def _dropped(probs, key, rate):
   return jax.lax.select(mask, probs / (1.0 - rate), jnp.zeros_like(probs)), mask
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _attention(q, k, v, key, causal: bool, rate: float):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _attention(q, k, v, key, segs, causal: bool, rate: float):
   """Dense attention; the gradient keeps only ``q``, ``k`` and ``v`` (recomputes the probabilities)."""
-  return _attention_fwd(q, k, v, key, causal, rate)[0]
+  return _attention_fwd(q, k, v, key, segs, causal, rate)[0]
 
 
 def _f32(*xs):
   return tuple(x.astype(jnp.float32) for x in xs)
 
 
-def _attention_fwd(q, k, v, key, causal, rate):
+def _attention_fwd(q, k, v, key, segs, causal, rate):
   # Mixed precision: the scores and softmax are float32 (q and k cast here, inside the
   # rule); the probabilities meet v in v's dtype, as flash attention's P @ V does, so the
   # context (which `dots` may save) is a bfloat16 matmul output. Residuals: q, k, v as given.
   hkv = k.shape[2]
-  dropped, _ = _dropped(_probs(*_f32(_groups(q, hkv), _heads(k)), causal), key, rate)
+  dropped, _ = _dropped(_probs(*_f32(_groups(q, hkv), _heads(k)), segs, causal), key, rate)
   ctx = _ungroup(_einsum('bngqk,bnkd->bngqd', dropped.astype(v.dtype), _heads(v)))
-  return ctx, (q, k, v, key)
+  return ctx, (q, k, v, key, segs)
 
 
 def _attention_bwd(causal, rate, res, g):
-  q, k, v, key = res
+  q, k, v, key, segs = res
   dtypes = (q.dtype, k.dtype, v.dtype)
   hkv = k.shape[2]
   q, k, v, g = _f32(_groups(q, hkv), _heads(k), _heads(v), _groups(g, hkv))
-  probs = _probs(q, k, causal)    # the forward pass's probabilities, recomputed
+  probs = _probs(q, k, segs, causal)    # the forward pass's probabilities, recomputed
   dropped, mask = _dropped(probs, key, rate)
   # The forward pass's P @ V read P in v's dtype: so does its derivative (no-op in float32).
   dv = _einsum('bngqk,bngqd->bnkd', *_f32(dropped.astype(dtypes[2]), g))
@@ -287,7 +303,12 @@ def _attention_bwd(causal, rate, res, g):
   dq = _einsum('bngqk,bnkd->bngqd', d_scores, k)
   dk = _einsum('bngqk,bngqd->bnkd', d_scores, q)
   dq, dk, dv = (d.astype(t) for d, t in zip((_ungroup(dq), _heads(dk), _heads(dv)), dtypes))
-  return dq, dk, dv, np.zeros(key.shape, jax.dtypes.float0)
+  return dq, dk, dv, np.zeros(key.shape, jax.dtypes.float0), _int_zeros(segs)
+
+
+def _int_zeros(segs):
+  """The (empty) cotangent of integer segment ids, or None without them."""
+  return None if segs is None else np.zeros(segs.shape, jax.dtypes.float0)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -296,21 +317,24 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 # ----------------------------------------------------------------------------- cuDNN
 
 
-def _cudnn_attention(q, k, v, causal, rate):
+def _cudnn_attention(q, k, v, causal, rate, segs=None):
   if rate > 0.0:
     raise ValueError("attention implementation 'cudnn' has no dropout (jax.nn.dot_product_attention "
                      "takes none); use 'blockwise' or 'dense', or a dropout rate of 0")
   if q.dtype not in (jnp.bfloat16, jnp.float16):
     raise ValueError(f"attention implementation 'cudnn' needs float16 or bfloat16 inputs, got "
                      f'{q.dtype}')
-  return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation='cudnn')
+  # Packed documents: a [B, 1, T, T] mask of same-segment pairs, with the causal mask type.
+  mask = None if segs is None else _same_segment(segs)[:, 0]
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
+                                      implementation='cudnn')
 
 
 # ----------------------------------------------------------------------------- blockwise
 
 
 def blockwise_attention(q, k, v, key, *, causal: bool, rate: float = 0.0,
-                        block_q: int = 256, block_k: int = 256):
+                        block_q: int = 256, block_k: int = 256, segment_ids=None):
   """Blockwise (online-softmax) attention; memory linear in T, forward and backward.
 
   Args:
@@ -321,6 +345,8 @@ def blockwise_attention(q, k, v, key, *, causal: bool, rate: float = 0.0,
     rate: attention-probability dropout (0 for none), static.
     block_q, block_k: rows per query / key block (clipped to T; T need not be a
       multiple); :func:`attention` passes :data:`BLOCK_Q` and :data:`BLOCK_K`.
+    segment_ids: None or int [B, T]; keys of another segment are masked in
+      every block (block pairs are not skipped for it: the masks are per row).
 
   Returns:
     The context [B, T, H, Dh] (not tagged; :func:`attention` tags it).
@@ -328,7 +354,7 @@ def blockwise_attention(q, k, v, key, *, causal: bool, rate: float = 0.0,
   _check_shapes(q, k, v)
   t = q.shape[1]
   spec = _Blocks(t, min(block_q, t), min(block_k, t), causal, float(rate))
-  return _blockwise(q, k, v, key, spec)
+  return _blockwise(q, k, v, key, segment_ids, spec)
 
 
 class _Blocks:
@@ -424,8 +450,20 @@ def _pairs(pairs: np.ndarray, data):
   return pairs
 
 
-def _block_scores(qb, kb, i, j, spec: _Blocks):
-  """Scaled scores [B, Hkv, G, bq, bk] (float32) of one block pair and its mask of valid keys."""
+def _seg_blocks(segs, n: int, size: int):
+  """[B, T] segment ids -> [n, B, size] (padding gets -1: padded keys are masked anyway)."""
+  if segs is None:
+    return None
+  b, t = segs.shape
+  segs = jnp.pad(segs, ((0, 0), (0, n * size - t)), constant_values=-1)
+  return segs.reshape(b, n, size).transpose(1, 0, 2)
+
+
+def _block_scores(qb, kb, i, j, spec: _Blocks, sq=None, sk=None):
+  """Scaled scores [B, Hkv, G, bq, bk] (float32) of one block pair and its mask of valid keys.
+
+  ``sq``, ``sk``: the pair's query and key segment ids [B, bq], [B, bk], or None.
+  """
   s = _einsum('bngqd,bnkd->bngqk', qb, kb, preferred_element_type=jnp.float32)
   s = s / np.float32(math.sqrt(qb.shape[-1]))
   rows = i * spec.bq + jax.lax.broadcasted_iota(jnp.int32, (spec.bq, 1), 0)
@@ -433,6 +471,8 @@ def _block_scores(qb, kb, i, j, spec: _Blocks):
   valid = cols < spec.t                         # padded keys
   if spec.causal:
     valid = valid & (cols <= rows)
+  if sq is not None:
+    valid = valid & (sq[:, None, None, :, None] == sk[:, None, None, None, :])
   return s, valid
 
 
@@ -448,8 +488,12 @@ def _block_keep(key, i, j, shape, spec: _Blocks):
   return mask.reshape(shape)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
-def _blockwise_forward(q, k, v, key, spec: _Blocks):
+def _take_seg(blocks, i):
+  return None if blocks is None else _take(blocks, i)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
+def _blockwise_forward(q, k, v, key, segs, spec: _Blocks):
   """Output [B, T, H, Dh] and logsumexp [B, H, T] (float32) of blockwise attention.
 
   One ``lax.scan`` over the block pairs, query block major; the running row
@@ -462,6 +506,7 @@ def _blockwise_forward(q, k, v, key, spec: _Blocks):
   """
   hkv = k.shape[2]
   qb, kb, vb = _q_blocks(q, hkv, spec), _k_blocks(k, spec), _k_blocks(v, spec)
+  sqb, skb = _seg_blocks(segs, spec.nq, spec.bq), _seg_blocks(segs, spec.nk, spec.bk)
   row_shape = qb.shape[:-1]
   init = (jnp.full(row_shape, -jnp.inf, jnp.float32), jnp.zeros(row_shape, jnp.float32),
           jnp.zeros(qb.shape, jnp.float32))
@@ -470,7 +515,7 @@ def _blockwise_forward(q, k, v, key, spec: _Blocks):
     m_all, l_all, acc_all = carry
     i, j = pair[0], pair[1]
     q_i, k_j, v_j = _take(qb, i), _take(kb, j), _take(vb, j)
-    s, valid = _block_scores(q_i, k_j, i, j, spec)
+    s, valid = _block_scores(q_i, k_j, i, j, spec, _take_seg(sqb, i), _take_seg(skb, j))
     m_old, l_old, acc_old = _take(m_all, i), _take(l_all, i), _take(acc_all, i)
     # Masked scores never raise the max; a row whose keys so far are all masked keeps
     # -inf, and its exp(-inf - -inf) NaN is replaced by the where below.
@@ -494,21 +539,22 @@ def _blockwise_forward(q, k, v, key, spec: _Blocks):
 
 @_blockwise_forward.defjvp
 def _blockwise_forward_jvp(spec, primals, tangents):
+  del tangents
   out = _blockwise_forward(*primals, spec)
   return out, tuple(jnp.zeros_like(o) for o in out)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _blockwise(q, k, v, key, spec: _Blocks):
-  return _blockwise_forward(q, k, v, key, spec)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _blockwise(q, k, v, key, segs, spec: _Blocks):
+  return _blockwise_forward(q, k, v, key, segs, spec)[0]
 
 
-def _blockwise_fwd(q, k, v, key, spec):
-  out, lse = _blockwise_forward(q, k, v, key, spec)
+def _blockwise_fwd(q, k, v, key, segs, spec):
+  out, lse = _blockwise_forward(q, k, v, key, segs, spec)
   # Tagged inside the rule, so that these very arrays (the residuals) are what a
   # policy saving `context` keeps; attention() tags the output again (an identity).
   out, lse = checkpoint_name(out, 'context'), checkpoint_name(lse, 'context')
-  return out, (q, k, v, key, out, lse)
+  return out, (q, k, v, key, segs, out, lse)
 
 
 def _blockwise_bwd(spec, res, g):
@@ -517,9 +563,10 @@ def _blockwise_bwd(spec, res, g):
   One scan over the block pairs, key block major. ``dQ``, ``dK`` and ``dV``
   (float32) are carried whole and the pair's blocks updated in place.
   """
-  q, k, v, key, out, lse = res
+  q, k, v, key, segs, out, lse = res
   hkv = k.shape[2]
   qb, kb, vb = _q_blocks(q, hkv, spec), _k_blocks(k, spec), _k_blocks(v, spec)
+  sqb, skb = _seg_blocks(segs, spec.nq, spec.bq), _seg_blocks(segs, spec.nk, spec.bk)
   gb = _q_blocks(g, hkv, spec)
   b, h, t = lse.shape
   lse_b = _row_blocks(lse.reshape(b, hkv, h // hkv, t), spec)
@@ -534,7 +581,7 @@ def _blockwise_bwd(spec, res, g):
     dq_all, dk_all, dv_all = carry
     i, j = pair[0], pair[1]
     q_i, k_j, v_j, g_i = _take(qb, i), _take(kb, j), _take(vb, j), _take(gb, i)
-    s, valid = _block_scores(q_i, k_j, i, j, spec)
+    s, valid = _block_scores(q_i, k_j, i, j, spec, _take_seg(sqb, i), _take_seg(skb, j))
     p = jnp.where(valid, jnp.exp(s - _take(lse_b, i)[..., None]), 0.0)
     dp = _einsum('bngqd,bnkd->bngqk', g_i, v_j, preferred_element_type=jnp.float32)
     p_dropped = p
@@ -552,7 +599,8 @@ def _blockwise_bwd(spec, res, g):
 
   (dq, dk, dv), _ = jax.lax.scan(step, init, _pairs(spec.pairs_by_key, gb))
   return (_q_unblock(dq, spec.t).astype(q.dtype), _k_unblock(dk, spec.t).astype(k.dtype),
-          _k_unblock(dv, spec.t).astype(v.dtype), np.zeros(key.shape, jax.dtypes.float0))
+          _k_unblock(dv, spec.t).astype(v.dtype), np.zeros(key.shape, jax.dtypes.float0),
+          _int_zeros(segs))
 
 
 _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)

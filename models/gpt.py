@@ -111,7 +111,7 @@ class Attention(nn.Module):
   deterministic: bool
 
   @nn.compact
-  def __call__(self, x: Normalized, rng):
+  def __call__(self, x: Normalized, rng, segment_ids=None):
     cfg = self.config
     b, t, _ = x.x_hat.shape
     split = lambda y: y.reshape(b, t, cfg.num_heads, cfg.head_dim)
@@ -122,7 +122,8 @@ class Attention(nn.Module):
     v = checkpoint_name(proj('value'), 'value_proj')
     attn_key, resid_key = dropout_keys(rng, 2)
     ctx = attention(q, k, v, causal=True, dropout_rate=cfg.dropout,
-                    deterministic=self.deterministic, rng=attn_key, implementation=cfg.attention)
+                    deterministic=self.deterministic, rng=attn_key, implementation=cfg.attention,
+                    segment_ids=segment_ids)
     out = _dense(cfg.d_model, 'c_proj', cfg.dtype, 0.02 / math.sqrt(2 * cfg.num_layers))(
         ctx.reshape(b, t, cfg.d_model))
     out = checkpoint_name(out, 'out_proj')
@@ -146,16 +147,16 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-  """Pre-LN transformer block, in the layer-stack convention (x, rng) -> (x, None)."""
+  """Pre-LN transformer block, in the layer-stack convention (x[, segment_ids], rng) -> (x, None)."""
   config: GPTConfig
   deterministic: bool = True
 
   @nn.compact
-  def __call__(self, x, rng):
+  def __call__(self, x, segment_ids=None, *, rng):
     cfg = self.config
     attn_key, mlp_key = dropout_keys(rng, 2)
     h = LayerNorm(cfg.layer_norm_eps, parts=True, name='ln_1')(x)
-    x = x + Attention(cfg, self.deterministic, name='attn')(h, attn_key)
+    x = x + Attention(cfg, self.deterministic, name='attn')(h, attn_key, segment_ids)
     h = LayerNorm(cfg.layer_norm_eps, parts=True, name='ln_2')(x)
     x = x + MLP(cfg, self.deterministic, name='mlp')(h, mlp_key)
     return x, None
@@ -173,6 +174,10 @@ class GPT(nn.Module):
   operands and accumulates into float32, as the chunked loss does. The hidden
   states are in ``config.dtype``.
 
+  A window packed from several documents passes ``segment_ids`` (int [B, T]:
+  attention stays within a document) and ``positions`` (int [B, T]: the learned
+  positions looked up, restarting at 0 in each document).
+
   Attributes:
     config: model shape.
     policy: remat policy (a :class:`~remat.policies.Policy` or a spec string).
@@ -181,7 +186,8 @@ class GPT(nn.Module):
   policy: Policy | str = 'none'
 
   @nn.compact
-  def __call__(self, tokens, *, deterministic: bool = True, return_hidden: bool = False):
+  def __call__(self, tokens, *, deterministic: bool = True, return_hidden: bool = False,
+               segment_ids=None, positions=None):
     cfg = self.config
     policy = get_policy(self.policy, num_layers=cfg.num_layers)
     t = tokens.shape[1]
@@ -191,11 +197,12 @@ class GPT(nn.Module):
     wte = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, dtype=cfg.dtype, name='wte')
     wpe = nn.Embed(cfg.max_len, cfg.d_model, embedding_init=nn.initializers.normal(0.01),
                    dtype=cfg.dtype, name='wpe')
-    x = wte(tokens) + wpe(jnp.arange(t))[None]
+    x = wte(tokens) + (wpe(jnp.arange(t))[None] if positions is None else wpe(positions))
     x = nn.Dropout(cfg.dropout)(x, deterministic)
+    segs = () if segment_ids is None else (segment_ids,)
     x = LayerStack(Block, cfg.num_layers, policy,
                    block_kwargs={'config': cfg, 'deterministic': deterministic},
-                   name='h')(x, deterministic=deterministic)
+                   name='h')(x, *segs, deterministic=deterministic)
     x = LayerNorm(cfg.layer_norm_eps, name='ln_f')(x)
     if return_hidden:
       return x

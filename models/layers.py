@@ -457,12 +457,12 @@ def loss_chunk_tokens(vocab_size: int, num_tokens: int, chunk: int | None = None
   return 0 if chunk == 0 or chunk >= num_tokens else chunk
 
 
-def _chunked(h, labels, chunk: int):
+def _chunked(h, labels, chunk: int, weights=None):
   """[N, D], [N] -> [C, chunk, D], [C, chunk], weights [C, chunk] (0 on padding)."""
   n = h.shape[0]
   num = -(-n // chunk)
   pad = num * chunk - n
-  weight = jnp.ones((n,), jnp.float32)
+  weight = jnp.ones((n,), jnp.float32) if weights is None else weights.astype(jnp.float32)
   h, labels, weight = (jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1))
                        for a in (h, labels, weight))
   return (h.reshape(num, chunk, h.shape[-1]), labels.reshape(num, chunk),
@@ -477,8 +477,13 @@ def _chunk_logits(hc, emb, yc):
   return logits, lse, label_logit
 
 
+def _divisor(n: int, weights):
+  """What the loss sum is divided by: N tokens, or the weights' sum (at least 1)."""
+  return n if weights is None else jnp.maximum(jnp.sum(weights.astype(jnp.float32)), 1.0)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def chunked_cross_entropy(h, emb, labels, chunk: int):
+def chunked_cross_entropy(h, emb, labels, chunk: int, weights=None):
   """Mean softmax cross-entropy of the tied output layer ``logits = h @ emb.T``, in chunks.
 
   Equal (within float32 rounding) to
@@ -499,20 +504,23 @@ def chunked_cross_entropy(h, emb, labels, chunk: int):
     labels: int ``[N]``.
     chunk: tokens per chunk (static); N need not be a multiple (padding rows
       weigh 0).
+    weights: None, or float ``[N]`` per-token weights (0 or 1: a loss mask); the
+      result is then ``sum(ce * weights) / max(sum(weights), 1)``, the mean over
+      the tokens that count. Not differentiated.
   """
-  hs, ys, ws = _chunked(h, labels, chunk)
+  hs, ys, ws = _chunked(h, labels, chunk, weights)
 
   def body(total, xs):
     hc, yc, wc = xs
     _, lse, label_logit = _chunk_logits(hc, emb, yc)
     return total + jnp.sum((lse - label_logit) * wc), None
   total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (hs, ys, ws))
-  return total / h.shape[0]
+  return total / _divisor(h.shape[0], weights)
 
 
-def _cross_entropy_fwd(h, emb, labels, chunk):
-  n = h.shape[0]
-  hs, ys, ws = _chunked(h, labels, chunk)
+def _cross_entropy_fwd(h, emb, labels, chunk, weights=None):
+  n = _divisor(h.shape[0], weights)
+  hs, ys, ws = _chunked(h, labels, chunk, weights)
 
   def grads(hc, yc, wc):
     """One chunk's loss sum and its contributions to dL/dh and dL/demb."""
@@ -532,16 +540,17 @@ def _cross_entropy_fwd(h, emb, labels, chunk):
   # early (XLA schedules the fill during the layers' forward pass) and add to its peak.
   total, d_h0, d_emb = grads(hs[0], ys[0], ws[0])
   (total, d_emb), d_h = jax.lax.scan(body, (total, d_emb), (hs[1:], ys[1:], ws[1:]))
-  d_h = jnp.concatenate([d_h0[None], d_h]).reshape(-1, h.shape[-1])[:n]
-  return total / n, (d_h.astype(h.dtype), d_emb.astype(emb.dtype))
+  d_h = jnp.concatenate([d_h0[None], d_h]).reshape(-1, h.shape[-1])[:h.shape[0]]
+  return total / n, (d_h.astype(h.dtype), d_emb.astype(emb.dtype), weights)
 
 
 def _cross_entropy_bwd(chunk, res, g):
-  d_h, d_emb = res
+  d_h, d_emb, weights = res
   # The float32 cotangent would promote a bfloat16 residual: the cotangents must keep their
   # primals' dtypes, else the transpose of the first bfloat16 op above (Llama's final RMSNorm
   # scaling) fails on mixed operands.
-  return (g * d_h).astype(d_h.dtype), (g * d_emb).astype(d_emb.dtype), None
+  return ((g * d_h).astype(d_h.dtype), (g * d_emb).astype(d_emb.dtype), None,
+          None if weights is None else jnp.zeros_like(weights))
 
 
 chunked_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)

@@ -187,17 +187,23 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -
   return inv_freq.astype(np.float32)
 
 
-def rotary_tables(cfg: LlamaConfig, length: int):
-  """``(cos, sin)`` ``[T, Dh]``, float32, for positions ``0..T-1`` (halves repeated, as HF)."""
+def rotary_tables(cfg: LlamaConfig, length: int, positions=None):
+  """``(cos, sin)`` ``[T, Dh]``, float32, for positions ``0..T-1`` (halves repeated, as HF).
+
+  With ``positions`` (int ``[B, T]``, e.g. restarting at 0 for each document of a
+  packed window) the tables are ``[B, T, Dh]`` at those positions.
+  """
   inv_freq = jnp.asarray(rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-  angles = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+  pos = jnp.arange(length) if positions is None else positions
+  angles = pos.astype(jnp.float32)[..., None] * inv_freq
   angles = jnp.concatenate([angles, angles], axis=-1)
   return jnp.cos(angles), jnp.sin(angles)
 
 
 def apply_rotary(x, cos, sin):
   """Rotates ``[B, T, heads, Dh]`` by position (HF's ``rotate_half`` layout), in ``x``'s dtype."""
-  cos, sin = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
+  # [T, Dh] or [B, T, Dh] tables, broadcast over the heads axis.
+  cos, sin = cos[..., None, :].astype(x.dtype), sin[..., None, :].astype(x.dtype)
   half = x.shape[-1] // 2
   rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
   return x * cos + rotated * sin
@@ -237,7 +243,7 @@ class Attention(nn.Module):
   config: LlamaConfig
 
   @nn.compact
-  def __call__(self, x, cos, sin):
+  def __call__(self, x, cos, sin, segment_ids=None):
     cfg = self.config
     b, t, _ = x.shape
     proj = lambda heads, name: Dense(heads * cfg.head_dim, cfg.dtype, name=name)(x).reshape(
@@ -248,7 +254,7 @@ class Attention(nn.Module):
     # Grouped-query heads go in as they are: attention() never repeats k and v.
     ctx = attention(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, causal=True,
                     dropout_rate=0.0, deterministic=True, rng=None,
-                    implementation=cfg.attention)
+                    implementation=cfg.attention, segment_ids=segment_ids)
     out = Dense(cfg.d_model, cfg.dtype, name='o_proj')(ctx.reshape(b, t, cfg.d_model))
     return checkpoint_name(out, 'out_proj')
 
@@ -315,14 +321,14 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-  """Pre-norm decoder block, in the layer-stack convention ``(x, cos, sin) -> x``."""
+  """Pre-norm decoder block, in the layer-stack convention ``(x, cos, sin[, segment_ids]) -> x``."""
   config: LlamaConfig
 
   @nn.compact
-  def __call__(self, x, cos, sin):
+  def __call__(self, x, cos, sin, segment_ids=None):
     cfg = self.config
     h = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name='input_layernorm')(x)
-    x = x + Attention(cfg, name='self_attn')(h, cos, sin)
+    x = x + Attention(cfg, name='self_attn')(h, cos, sin, segment_ids)
     h = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name='post_attention_layernorm')(x)
     return x + MLP(cfg, name='mlp')(h)
 
@@ -367,6 +373,10 @@ class Llama(nn.Module):
   vocabulary's logits never exist whole. ``deterministic`` is accepted for the
   trainer's sake; Llama has no dropout.
 
+  A window packed from several documents passes ``segment_ids`` (int [B, T]:
+  attention stays within a document) and ``positions`` (int [B, T]: the
+  rotary positions, restarting at 0 in each document).
+
   Attributes:
     config: model shape and dtype.
     policy: remat policy (a :class:`~remat.policies.Policy` or a spec string).
@@ -375,7 +385,8 @@ class Llama(nn.Module):
   policy: Policy | str = 'none'
 
   @nn.compact
-  def __call__(self, tokens, *, deterministic: bool = True, return_hidden: bool = False):
+  def __call__(self, tokens, *, deterministic: bool = True, return_hidden: bool = False,
+               segment_ids=None, positions=None):
     del deterministic
     cfg = self.config
     policy = get_policy(self.policy, num_layers=cfg.num_layers)
@@ -384,9 +395,10 @@ class Llama(nn.Module):
       raise ValueError(f'sequence length {t} exceeds the model max_len {cfg.max_len}')
     embed = Embed(cfg.vocab_size, cfg.d_model, name='embed_tokens')
     x = embed(tokens).astype(cfg.dtype)
-    cos, sin = rotary_tables(cfg, t)
+    cos, sin = rotary_tables(cfg, t, positions)
+    segs = () if segment_ids is None else (segment_ids,)
     x = LayerStack(Block, cfg.num_layers, policy, block_kwargs={'config': cfg},
-                   name='layers')(x, cos, sin)
+                   name='layers')(x, cos, sin, *segs)
     x = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name='norm')(x)
     if return_hidden:
       return x

@@ -203,11 +203,14 @@ def read_meta(out: Path) -> tuple[int, dict] | None:
   return None
 
 
-def restore(out: Path, state_shape, warn) -> tuple[object, dict]:
+def restore(out: Path, state_shape, warn, set_aside: bool = True,
+            what: str = '--resume') -> tuple[object, dict]:
   """(state, meta) of the newest checkpoint that restores, verifies and is finite.
 
-  Newer checkpoints that fail are moved to ``<out>/damaged/``, each with one
-  ``warn`` line naming the step and the problem.
+  Newer checkpoints that fail are moved to ``<out>/damaged/`` (unless not
+  ``set_aside``: a reader such as ``training.export`` leaves the run as it is),
+  each with one ``warn`` line naming the step and the problem; ``what`` names
+  the caller in the error.
 
   Raises:
     CheckpointError: no checkpoint in ``out`` restores.
@@ -223,15 +226,16 @@ def restore(out: Path, state_shape, warn) -> tuple[object, dict]:
       # Damaged files surface as many types (ValueError, FileNotFoundError, JSONDecodeError,
       # XlaRuntimeError from tensorstore, ...); each means this step cannot be used.
       problems.append(f'step {step}: {_one_line(e)}')
+      moved = f'moved to {_set_aside(out, step)}, ' if set_aside else ''
       warn(f'checkpoint {step} in {folder(out)} cannot be used ({_one_line(e)}); '
-           f'moved to {_set_aside(out, step)}, trying the previous one')
+           f'{moved}trying the previous one')
       continue
     return state, meta
-  raise CheckpointError(f'--resume: no intact checkpoint in {folder(out)}'
-                        + (f" ({'; '.join(problems)})" if problems else '')
-                        + f'; they are kept in {out / rundir.DAMAGED_NAME}; pass --restart to '
-                        'start the run over on purpose (its files move to '
-                        f'{out / rundir.PREVIOUS_NAME}/), or --out for a new run')
+  advice = (f'; they are kept in {out / rundir.DAMAGED_NAME}; pass --restart to start the run '
+            f'over on purpose (its files move to {out / rundir.PREVIOUS_NAME}/), or --out for a '
+            'new run') if set_aside else ''
+  raise CheckpointError(f'{what}: no intact checkpoint in {folder(out)}'
+                        + (f" ({'; '.join(problems)})" if problems else '') + advice)
 
 
 def _restore(out: Path, step: int, **items):

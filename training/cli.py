@@ -6,11 +6,12 @@ import argparse
 import dataclasses
 import sys
 
-from configs import DEFAULT_CONFIG, config_names, load_config
+from configs import DEFAULT_CONFIG, config_names
 from remat.policies import PolicyError, list_policies
 from remat.targets import prefer_cpu_without_gpu
 from training import mesh as meshlib
 from training.data import DataError
+from training.text_source import load_named
 from training.trainer import (DivergedError, RunError, TrainConfig, default_config,
                               matching_config, read_meta, train)
 
@@ -58,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help=f"model family: {', '.join(DEFAULT_CONFIG)}; picks its default config "
                       f"({', '.join(f'{k}: {v}' for k, v in DEFAULT_CONFIG.items())})")
   p.add_argument('--config', default=None,
-                 help=f"named config: {', '.join(config_names())} (default: the model's default, "
+                 help=f"named config: {', '.join(config_names())}, or hf:PATH (a Hugging Face "
+                      f"folder's config.json) (default: the model's default, "
                       "or the resumed run's)")
   for name, (typ, help_) in _FLAGS.items():
     p.add_argument('--' + name.replace('_', '-'), type=typ, default=None,
@@ -67,9 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
                  help='compute dtype: float32 or bfloat16 (parameters and optimizer state stay '
                       "float32; docs/precision.md) (default: the config's, or the resumed run's)")
   p.add_argument('--data', default=None, metavar='PATH',
-                 help="gpt/llama: text file or folder of text files (default: this Python's stdlib "
-                      "source); vit/resnet: an image folder, DIR/<class>/*.png|jpg|jpeg or "
-                      "DIR/train/<class>/... and DIR/val/<class>/... (default: procedural shapes)")
+                 help="gpt/llama: text file, .jsonl file (rows {\"text\"} or {\"prompt\", "
+                      "\"completion\"}: loss on the completion only) or a folder of either "
+                      "(default: this Python's stdlib source); vit/resnet: an image folder, "
+                      "DIR/<class>/*.png|jpg|jpeg or DIR/train/<class>/... and DIR/val/<class>/... "
+                      "(default: procedural shapes)")
+  p.add_argument('--tokenizer', default=None, metavar='PATH',
+                 help="gpt/llama: a tokenizer.json or a folder holding one, or 'bytes' "
+                      "(default: the --init-from folder's tokenizer, else bytes)")
   p.add_argument('--out', default=None, metavar='DIR',
                  help='output folder for metrics.jsonl and checkpoints (default: runs/CONFIG-SPEC)')
   again = p.add_mutually_exclusive_group()
@@ -83,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "record the change in the run's history; a resume refuses any other "
                       'change to a setting that enters the computation')
   p.add_argument('--init-from', default=None, metavar='HF_FOLDER',
-                 help='start from the weights of a Hugging Face save_pretrained folder (GPT-2, ViT, '
-                      'ResNet; safetensors); without --config, the shipped config of its shape')
+                 help='start from the weights of a Hugging Face save_pretrained folder (GPT-2, '
+                      'Llama, ViT, ResNet; safetensors); without --config, the shipped config of '
+                      'its shape, else one built from its config.json (--config hf:PATH)')
   meshlib.add_flags(p)
   p.add_argument('--no-memory-report', dest='memory_report', action='store_false',
                  help='skip compiling the no-remat step for the start-up memory line')
@@ -107,7 +115,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
   if 'config' not in flags and args.init_from and not args.resume:
     flags['config'] = matching_config(args.init_from)
   name = flags.get('config', recorded.get('config', default_config(args.model)))
-  values = {k: v for k, v in load_config(name).train.items() if k in valid}
+  values = {k: v for k, v in load_named(name).train.items() if k in valid}
   values['config'] = name
   values.update(recorded)
   values.update(flags)

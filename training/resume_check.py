@@ -53,6 +53,7 @@ COMPARED = (
     Compared('image_size', only='vision'),
     Compared('seed'),
     Compared('data', same_path),
+    Compared('tokenizer', same_path, only='lm'),
     Compared('lr'),
     Compared('warmup_steps'),
     Compared('weight_decay'),

@@ -2,7 +2,13 @@
 
 A :class:`Task` pairs a model config with its batch format and loss:
 
-* ``gpt`` / ``llama``: batches of byte windows ``int32 [B, T + 1]``; next-byte cross-entropy.
+* ``gpt`` / ``llama``: batches of token windows ``int32 [B, T + 1]``; next-token
+  cross-entropy. Windows packed from several documents (:mod:`training.text_data`)
+  are a dict of four ``[B, T + 1]`` arrays, :data:`PACKED_KEYS`: ``tokens``,
+  ``segment_ids`` (the document of each token: attention stays within it),
+  ``positions`` (restarting at 0 per document) and ``loss_mask`` (1 where the
+  token is a target: 0 on a prompt's tokens); a label counts when it is in the
+  loss mask and in the same document as its input.
 * ``vit`` / ``resnet``: batches ``{'images': float32 [B, S, S, C], 'labels': int32 [B]}``;
   classification cross-entropy, with accuracy as a metric.
 
@@ -31,6 +37,7 @@ from models.vit import ViT, ViTConfig
 LANGUAGE_ARCHS = ('gpt', 'llama')
 ARCH_OF = {GPTConfig: 'gpt', LlamaConfig: 'llama', ViTConfig: 'vit', ResNetConfig: 'resnet'}
 _MODELS = {'gpt': GPT, 'llama': Llama, 'vit': ViT, 'resnet': ResNet}
+PACKED_KEYS = ('tokens', 'segment_ids', 'positions', 'loss_mask')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +149,9 @@ class Task:
   def _lm_loss(self, model: nn.Module, variables, windows, train: bool, rngs):
     """Mean next-token cross-entropy of a GPT or Llama over ``windows`` [B, T + 1].
 
+    ``windows`` may be a packed batch (a dict, module docstring): the mean is
+    then over the labels that count, and the model gets segment ids and positions.
+
     The output layer (GPT's tied ``wte``; Llama's tied embedding or untied
     ``lm_head``, in float32) is computed here from the final hidden states: in
     chunks of ``config.loss_chunk`` tokens (:func:`models.layers.chunked_cross_entropy`:
@@ -149,17 +159,28 @@ class Task:
     vocabulary is small enough that one chunk covers the batch. Same value and
     gradients either way, within float32 rounding.
     """
+    extra, weights = {}, None
+    if isinstance(windows, dict):
+      segs = windows['segment_ids']
+      extra = {'segment_ids': segs[:, :-1], 'positions': windows['positions'][:, :-1]}
+      weights = ((windows['loss_mask'][:, 1:] > 0) & (segs[:, 1:] == segs[:, :-1])).astype(
+          jnp.float32)
+      windows = windows['tokens']
     inputs, labels = windows[:, :-1], windows[:, 1:]
     params = variables['params']
     emb = (output_embedding(params, self.config) if self.arch == 'llama'
            else params['wte']['embedding'])
     chunk = loss_chunk_tokens(emb.shape[0], labels.size, self.config.loss_chunk)
     if not chunk:
-      logits = model.apply(variables, inputs, deterministic=not train, rngs=rngs)
-      return optax.softmax_cross_entropy_with_integer_labels(
-          logits.astype(jnp.float32), labels).mean()
-    h = model.apply(variables, inputs, deterministic=not train, rngs=rngs, return_hidden=True)
+      logits = model.apply(variables, inputs, deterministic=not train, rngs=rngs, **extra)
+      ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+      if weights is None:
+        return ce.mean()
+      return jnp.sum(ce * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+    h = model.apply(variables, inputs, deterministic=not train, rngs=rngs, return_hidden=True,
+                    **extra)
     # The float32 embedding cast to the hidden states' dtype at use (a no-op in float32); the
     # loss computes the logits in float32 from those operands.
     return chunked_cross_entropy(h.reshape(-1, h.shape[-1]), emb.astype(h.dtype),
-                                 labels.reshape(-1), chunk)
+                                 labels.reshape(-1), chunk,
+                                 None if weights is None else weights.reshape(-1))

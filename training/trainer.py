@@ -25,8 +25,9 @@ from training import resume_check
 from training import rundir
 from training import steps as st
 from training.guard import GuardConfig, LossGuard
-from training.data import load_text
 from training.tasks import Task
+from training.text_source import (HF_CONFIG_PREFIX, load_named, open_text, save_tokenizer,
+                                  tokenizer_for_run)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +70,7 @@ class TrainConfig:
   spike_margin: float = GuardConfig.margin
   spike_patience: int = GuardConfig.patience
   data_workers: int | None = None  # image folders: Grain worker processes (None: by core count)
+  tokenizer: str | None = None  # None: --init-from's tokenizer, else bytes (training/tokenizer.py)
 
   @property
   def out_dir(self) -> Path:
@@ -125,7 +127,7 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
     :func:`train` resolves by compiling (:mod:`training.autoremat`).
   """
   _check_positive(cfg)
-  named = with_dtype(load_config(cfg.config), cfg.dtype)
+  named = with_dtype(load_named(cfg.config), cfg.dtype)
   if cfg.model is not None and cfg.model != named.arch:
     raise RunError(f"--model {cfg.model} does not match config {named.name} (a {named.arch} "
                    f"model); {cfg.model} configs: {', '.join(config_names(cfg.model))}")
@@ -151,9 +153,9 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
     size = cfg.seq_len
     if size > model_cfg.max_len:
       raise RunError(f'--seq-len {size} exceeds config {named.name} max_len {model_cfg.max_len}')
-    if model_cfg.vocab_size < 256:
-      raise RunError(f'config {named.name} has vocab_size {model_cfg.vocab_size}; '
-                     'byte data needs >= 256')
+    # The tokenizer's vocabulary must fit the embedding (a fresh model is sized to it).
+    named = tokenizer_for_run(cfg, named)[1]
+    task = Task(named.model)
   if is_auto(cfg.remat):   # a budget: checked here, resolved to a policy by train() (compiles)
     parse_budget(cfg.remat)
     return named, task, size, None
@@ -230,6 +232,8 @@ def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
     pretrained, notes = load_pretrained(cfg.init_from, named.arch, named.model)
     for note in notes:
       log(f'--init-from: {note}')
+  if cfg.config.startswith(HF_CONFIG_PREFIX):
+    log(f'model: no shipped config has the shape of {cfg.init_from}; built from its config.json')
   data = _data(cfg, task, size, log, place)
   auto_choice = None
   if policy is None:
@@ -241,6 +245,8 @@ def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
   except OSError as e:
     raise RunError(f"--out '{out}' cannot be created: {e.strerror}") from None
   with rundir.RunLock(out) if place.is_primary else contextlib.nullcontext():
+    if place.is_primary and not task.is_vision:
+      save_tokenizer(cfg, out)   # the run folder carries its tokenizer (export, sampling)
     return _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn, place,
                          auto_choice)
 
@@ -329,6 +335,8 @@ def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
   model = task.model(policy)
   tx = st.make_optimizer(cfg.lr, cfg.steps, cfg.warmup_steps, cfg.weight_decay, cfg.grad_clip)
   state_shape, batch_shape = st.abstract_inputs(model, tx, cfg.batch_size, size, cfg.seed)
+  if not task.is_vision:  # the data's own batch format (packed windows are a dict)
+    batch_shape = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), val[0])
   # Restore before compiling: a folder without an intact checkpoint, or one already at
   # --steps, is reported in seconds rather than after the compile.
   saved = {}
@@ -433,7 +441,7 @@ def _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, m
       finite = math.isfinite(loss) and math.isfinite(grad_norm)
       row = {'step': step + 1, 'loss': round(loss, 5), 'grad_norm': round(grad_norm, 5),
              f'{"images" if task.is_vision else "tokens"}_per_s': round(per_step / (t1 - t0), 1),
-             'policy': policy.spec}
+             'policy': policy.spec, **({} if task.is_vision else {'tokens': (step + 1) * per_step})}
       bad_in_row = 0 if finite else bad_in_row + 1
       spike = not guard.observe(step + 1, loss) and finite
       if not finite:
@@ -485,7 +493,8 @@ def _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, m
   if rows and 'val_loss' in rows[-1]:
     last = rows[-1]
     what = (f"val loss {last['val_loss']:.3f}, val accuracy {last['val_accuracy']:.1%}"
-            if task.is_vision else f"val loss {last['val_loss']:.3f} nats/byte")
+            if task.is_vision else f"val loss {last['val_loss']:.3f} nats/"
+            f"{'byte' if tokenizer_for_run(cfg)[0].name == 'bytes' else 'token'}")
     log(f"done: step {last['step']}, train loss {last['loss']:.3f}, {what}; "
         f"metrics and checkpoints in {out}")
   return rows
@@ -518,11 +527,7 @@ def _data(cfg: TrainConfig, task: Task, size: int, log, place: meshlib.Placement
   if task.is_vision:
     from training.vision_data import open_vision_data
     return open_vision_data(cfg, task, size, log, place.local_rows(cfg.batch_size))
-  data = load_text(cfg.data, size)
-  log(f'data: {data.source}: {data.num_files} files, {len(data.train):,} train / '
-        f'{len(data.val):,} val bytes')
-  batch_at = lambda step: data.batch(step, cfg.batch_size, size, cfg.seed)
-  return batch_at, data.val_batches(cfg.eval_batches, cfg.batch_size, size), {}
+  return open_text(cfg, size, log)
 
 
 def _pretrained_state(variables: dict, tx) -> st.TrainState:
@@ -534,10 +539,11 @@ def _pretrained_state(variables: dict, tx) -> st.TrainState:
 
 
 def matching_config(path: str) -> str:
-  """The shipped config whose model shape equals that of the Hugging Face checkpoint at ``path``.
+  """The shipped config whose model shape equals that of the Hugging Face checkpoint at ``path``,
+  else ``hf:PATH``: the model built from the checkpoint's own config.json.
 
   Raises:
-    RunError: one line, naming the checkpoint's shape when no shipped config has it.
+    HFImportError: one line, for a folder or config.json that cannot be used.
   """
   from models.hf import load_hf_config
   arch, hf_cfg = load_hf_config(path)
@@ -549,8 +555,7 @@ def matching_config(path: str) -> str:
             if hasattr(ours, f) and (f != 'image_size' or arch == 'resnet')}
     if ours == dataclasses.replace(hf_cfg, **same):
       return name
-  raise RunError(f'--init-from {path}: no shipped {arch} config has its shape ({hf_cfg}); '
-                 'pass --config NAME of a config with that shape')
+  return HF_CONFIG_PREFIX + str(path)
 
 
 def _evaluate(eval_step, state, val) -> dict:

@@ -1,0 +1,212 @@
+"""``python -m training.export RUN_DIR OUT_DIR``: a run's latest weights as a Hugging Face folder.
+
+Writes what ``save_pretrained`` writes, so ``transformers``' ``from_pretrained``
+(or any tool that reads that layout) loads it:
+
+* ``config.json``: the trained model's shape (its vocabulary, its image size),
+  from the family's writer in :data:`models.hf_export.WRITERS`;
+* ``model.safetensors``, or above ``--max-shard-size`` (5 GB, as
+  ``save_pretrained``) shards ``model-0000K-of-0000N.safetensors`` with
+  ``model.safetensors.index.json``; float32, or ``--dtype bfloat16``;
+* the tokenizer the run trained with (``tokenizer.json`` and its companions,
+  copied from the run folder; a byte-level run has none) and any files the
+  family registers in :data:`models.hf_export.EXTRA_FILES`.
+
+The folder is written under a temporary name beside ``OUT_DIR`` and renamed
+when complete: a failure leaves nothing behind. Errors are one line on stderr
+with exit status 2: a missing or damaged run, an existing non-empty
+``OUT_DIR``, a family without a writer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+DTYPES = {'float32': np.float32, 'bfloat16': ml_dtypes.bfloat16}
+DEFAULT_SHARD_BYTES = 5 * 10**9   # save_pretrained's max_shard_size default, "5GB"
+
+
+class ExportError(ValueError):
+  """An export that cannot be done; the message is one line."""
+
+
+def shard(state_dict: dict[str, np.ndarray], max_bytes: int) -> list[dict[str, np.ndarray]]:
+  """Groups tensors, in name order, into shards of at most ``max_bytes`` (a larger tensor alone)."""
+  shards, current, size = [], {}, 0
+  for name in sorted(state_dict):
+    n = state_dict[name].nbytes
+    if current and size + n > max_bytes:
+      shards.append(current)
+      current, size = {}, 0
+    current[name] = state_dict[name]
+    size += n
+  if current or not shards:
+    shards.append(current)
+  return shards
+
+
+def write_weights(folder: Path, state_dict: dict[str, np.ndarray], max_bytes: int) -> list[str]:
+  """Writes ``model.safetensors`` or shards and an index; returns the file names written."""
+  from safetensors.numpy import save_file
+  metadata = {'format': 'pt'}   # transformers reads the file as torch weights
+  parts = shard(state_dict, max_bytes)
+  if len(parts) == 1:
+    save_file(parts[0], str(folder / 'model.safetensors'), metadata=metadata)
+    return ['model.safetensors']
+  names, weight_map = [], {}
+  for i, part in enumerate(parts, 1):
+    name = f'model-{i:05d}-of-{len(parts):05d}.safetensors'
+    save_file(part, str(folder / name), metadata=metadata)
+    names.append(name)
+    weight_map.update({k: name for k in part})
+  index = {'metadata': {'total_size': int(sum(a.nbytes for a in state_dict.values()))},
+           'weight_map': dict(sorted(weight_map.items()))}
+  (folder / 'model.safetensors.index.json').write_text(json.dumps(index, indent=2) + '\n')
+  return names + ['model.safetensors.index.json']
+
+
+def export(run_dir, out_dir, dtype: str = 'float32', max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+           log=print, warn=lambda m: print(f'training.export: warning: {m}', file=sys.stderr)
+           ) -> Path:
+  """Writes the Hugging Face folder of ``run_dir``'s latest checkpoint to ``out_dir``.
+
+  Raises:
+    ExportError, RunReadError: one line.
+  """
+  from models import hf_export_vision as vision
+  from models.hf_export import EXTRA_FILES, WRITERS
+  from training.saved_run import load_run
+  from training.text_source import RUN_TOKENIZER_DIR
+  from training.tokenizer import COMPANION_FILES, TOKENIZER_FILE, load_tokenizer
+  if dtype not in DTYPES:
+    raise ExportError(f"--dtype {dtype}: valid: {', '.join(DTYPES)}")
+  if max_shard_bytes < 1:
+    raise ExportError(f'--max-shard-size must be >= 1 byte, got {max_shard_bytes}')
+  out = Path(out_dir)
+  if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    raise ExportError(f"'{out}' already exists and is not an empty folder; give a new OUT_DIR")
+  run = load_run(run_dir, warn)
+  arch = run.task.arch
+  data = run.meta.get('data') or {}
+  extra = EXTRA_FILES.get(arch, lambda _: {})(run.task.config)
+  if arch in vision.WRITERS:
+    # A vision run records its class names and normalisation; the folder's image processor
+    # repeats the run's validation transform.
+    state_dict, hf_config = vision.WRITERS[arch](run.variables, run.task.config,
+                                                 data.get('classes'))
+    if 'image_size' in data:
+      extra = {**extra, 'preprocessor_config.json': vision.image_processor_config(
+          data['image_size'], data['image_mean'], data['image_std'])}
+  elif arch in WRITERS:
+    state_dict, hf_config = WRITERS[arch](run.variables, run.task.config)
+  else:
+    raise ExportError(f"'{run_dir}' is a {arch} run; export writes "
+                      f"{', '.join(sorted({**WRITERS, **vision.WRITERS}))}")
+  state_dict = {k: np.ascontiguousarray(v, DTYPES[dtype]) for k, v in state_dict.items()}
+  hf_config = {**hf_config, 'torch_dtype': dtype}
+  tok_dir = Path(run_dir) / RUN_TOKENIZER_DIR
+  if (tok_dir / TOKENIZER_FILE).is_file():
+    tok = load_tokenizer(tok_dir / TOKENIZER_FILE)
+    hf_config.update({'eos_token_id': tok.eot_id, 'bos_token_id': _bos(tok_dir, tok)})
+  out.parent.mkdir(parents=True, exist_ok=True)
+  tmp = Path(tempfile.mkdtemp(prefix=f'.{out.name}.', dir=out.parent))
+  try:
+    _permissions(tmp, 0o777)   # mkdtemp makes it private; the folder is for sharing
+    (tmp / 'config.json').write_text(json.dumps(hf_config, indent=2) + '\n')
+    files = ['config.json'] + write_weights(tmp, state_dict, max_shard_bytes)
+    for name in (TOKENIZER_FILE,) + COMPANION_FILES:
+      if (tok_dir / name).is_file():
+        shutil.copyfile(tok_dir / name, tmp / name)
+        files.append(name)
+    if (tok_dir / TOKENIZER_FILE).is_file() and not (tok_dir / 'tokenizer_config.json').is_file():
+      # A bare tokenizer.json: name its end-of-text token, so AutoTokenizer knows the eos_token.
+      (tmp / 'tokenizer_config.json').write_text(json.dumps({'eos_token': tok.eot_token}) + '\n')
+      files.append('tokenizer_config.json')
+    for name, obj in extra.items():
+      (tmp / name).write_text(json.dumps(obj, indent=2) + '\n')
+      files.append(name)
+    for f in tmp.iterdir():   # safetensors writes its files owner-only
+      _permissions(f, 0o666)
+    if out.exists():
+      out.rmdir()   # empty (checked above)
+    tmp.rename(out)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  size = sum(a.nbytes for a in state_dict.values())
+  log(f'exported step {run.step} of {run_dir} ({arch}, {size / 2**20:.1f} MiB of {dtype} '
+      f"weights) to {out}: {', '.join(files)}")
+  return out
+
+
+def _permissions(path: Path, mode: int):
+  """``chmod`` to ``mode`` less the umask, as a plain ``open``/``mkdir`` would have made it."""
+  umask = os.umask(0)
+  os.umask(umask)
+  path.chmod(mode & ~umask)
+
+
+def _bos(tok_dir: Path, tok) -> int | None:
+  """The tokenizer's beginning-of-text id (tokenizer_config.json's bos_token), or None."""
+  config = tok_dir / 'tokenizer_config.json'
+  if not config.is_file():
+    return None
+  try:
+    bos = json.loads(config.read_text()).get('bos_token')
+  except (OSError, ValueError, AttributeError):
+    return None
+  bos = bos.get('content') if isinstance(bos, dict) else bos
+  return tok._tok.token_to_id(bos) if isinstance(bos, str) else None
+
+
+def parse_size(text: str) -> int:
+  """'5GB', '200MB', '64KiB', '1000' -> bytes (decimal units as save_pretrained; binary with i)."""
+  units = {'': 1, 'B': 1, 'KB': 10**3, 'MB': 10**6, 'GB': 10**9, 'KIB': 2**10, 'MIB': 2**20,
+           'GIB': 2**30}
+  t = text.strip().upper()
+  number = t.rstrip('KMGIB')
+  unit = t[len(number):]
+  try:
+    value = float(number)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"'{text}' is not a size like 5GB, 200MB or 1000") from None
+  if unit not in units:
+    raise argparse.ArgumentTypeError(f"'{text}': unknown unit {unit}; use B, KB, MB, GB, KiB, "
+                                     'MiB or GiB')
+  return int(value * units[unit])
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog='python -m training.export',
+                              description="Write a run's latest checkpoint as a Hugging Face "
+                                          'save_pretrained folder.')
+  p.add_argument('run_dir', metavar='RUN_DIR', help="a train.py run's --out folder")
+  p.add_argument('out_dir', metavar='OUT_DIR', help='the folder to write (new or empty)')
+  p.add_argument('--dtype', default='float32', choices=sorted(DTYPES),
+                 help='weight dtype in model.safetensors (default: float32)')
+  p.add_argument('--max-shard-size', type=parse_size, default=DEFAULT_SHARD_BYTES, metavar='SIZE',
+                 help='largest safetensors file before the weights are sharded with an index '
+                      '(default: 5GB, as save_pretrained)')
+  args = p.parse_args(argv)
+  from remat.targets import prefer_cpu_without_gpu
+  prefer_cpu_without_gpu()
+  from training.saved_run import RunReadError
+  try:
+    export(args.run_dir, args.out_dir, args.dtype, args.max_shard_size)
+  except (ExportError, RunReadError, ValueError) as e:
+    print(f'training.export: error: {e}', file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

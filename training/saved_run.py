@@ -1,0 +1,84 @@
+"""Reading a finished (or stopped) run back: its record, model config and latest weights.
+
+What ``training.export`` and ``training.sample`` start from. Nothing in the
+run folder is changed: a damaged newest checkpoint is passed over with a
+warning (the trainer's ``--resume`` is what sets such checkpoints aside).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from configs import ARCHS
+from training import checkpoints as ckpt
+from training import steps as st
+from training.tasks import Task
+
+
+class RunReadError(ValueError):
+  """A run folder that cannot be read back; the message is one line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedRun:
+  """A run's record and latest weights.
+
+  Attributes:
+    path: the run folder.
+    step: the checkpoint's step.
+    meta: the run record (config name, arch, model fields, policy, settings).
+    task: the model family with its config (as trained: dtype included).
+    variables: ``{'params': ..., **model_state}``, host numpy arrays.
+  """
+  path: Path
+  step: int
+  meta: dict
+  task: Task
+  variables: dict[str, Any]
+
+
+def load_run(run_dir, warn=lambda _: None) -> SavedRun:
+  """The newest intact checkpoint of ``run_dir``.
+
+  Raises:
+    RunReadError: one line: no such folder, no checkpoint, or none intact.
+  """
+  path = Path(run_dir)
+  if not path.is_dir():
+    raise RunReadError(f"no run folder at '{path}'; give the --out folder of a train.py run")
+  if not ckpt.steps(path):
+    raise RunReadError(f"'{path}' has no checkpoint (no {path / 'checkpoints'} with a saved "
+                       'step); train first, or give the --out folder of a run that saved one')
+  got = ckpt.read_meta(path)
+  if got is None:
+    raise RunReadError(f"'{path}': no checkpoint's run record can be read (damaged checkpoints)")
+  meta = got[1]
+  arch = meta.get('arch')
+  if arch not in ARCHS or not isinstance(meta.get('model'), dict):
+    raise RunReadError(f"'{path}': the run record names no model this version knows "
+                       f"(arch {arch!r})")
+  try:
+    config = ARCHS[arch](**meta['model'])
+  except (TypeError, ValueError) as e:
+    raise RunReadError(f"'{path}': the recorded model config does not build: "
+                       f'{str(e).splitlines()[0]}') from None
+  task = Task(config)
+  train = meta.get('train', {})
+  # The optimizer's state has the same tree whatever its settings; only its shape is needed.
+  tx = st.make_optimizer(1e-3, int(train.get('steps', 1)), 0, 0.0, 1.0)
+  size = task.default_size if task.is_vision else min(task.config.max_len, 8)
+  state_shape, _ = st.abstract_inputs(task.model('none'), tx, 1, size)
+  one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  state_shape = jax.tree_util.tree_map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), state_shape)
+  try:
+    state, meta = ckpt.restore(path, state_shape, warn, set_aside=False, what=str(path))
+  except ckpt.CheckpointError as e:
+    raise RunReadError(str(e)) from None
+  host = jax.device_get(state)
+  return SavedRun(path, int(host.step), meta, task,
+                  {'params': host.params, **dict(host.model_state)})

@@ -1,0 +1,136 @@
+"""The language models' data source: which tokenizer a run uses and which text module feeds it.
+
+One place decides, from a run's settings, how text becomes batches:
+
+* no tokenizer and no ``.jsonl`` data: :mod:`training.data`'s byte stream (the
+  README's run, unchanged);
+* otherwise :mod:`training.text_data`: documents tokenized once into a cache
+  and packed into windows with segment ids, positions and a loss mask.
+
+The tokenizer is ``--tokenizer`` when given, else the ``--init-from`` folder's
+``tokenizer.json`` when it has one, else bytes (:func:`tokenizer_for_run`).
+A fresh model's vocabulary is sized to its tokenizer; a pretrained model's
+embedding must hold every id the tokenizer makes.
+
+Also here: ``--config hf:PATH`` (what ``--init-from`` falls back to when no
+shipped config has the checkpoint's shape): a model config read from a
+Hugging Face folder's ``config.json`` (:func:`load_named`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import shutil
+from pathlib import Path
+
+from configs import NamedConfig, load_config
+from training.data import load_text
+from training.text_data import byte_level_default, load_tokens
+from training.tokenizer import (COMPANION_FILES, TOKENIZER_FILE, ByteTokenizer, HFTokenizer,
+                                find_tokenizer, load_tokenizer)
+
+HF_CONFIG_PREFIX = 'hf:'
+# Where a run folder keeps a copy of its tokenizer (training.export and training.sample read it).
+RUN_TOKENIZER_DIR = 'tokenizer'
+
+
+class SourceError(ValueError):
+  """A setting of the text source that cannot be used; the message is one line."""
+
+
+def load_named(name: str) -> NamedConfig:
+  """A shipped config by name, or ``hf:PATH``: the model config of a Hugging Face folder.
+
+  Raises:
+    ValueError: one line (an unknown config, or a ``config.json`` we cannot build).
+  """
+  if not name.startswith(HF_CONFIG_PREFIX):
+    return load_config(name)
+  from models.hf import load_hf_config
+  path = name[len(HF_CONFIG_PREFIX):]
+  arch, model = load_hf_config(path)
+  return NamedConfig(name, arch, f'built from {Path(path) / "config.json"}', model, {})
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer(path: str | None):
+  return load_tokenizer(path)
+
+
+def tokenizer_path(cfg) -> str | None:
+  """The tokenizer a run uses: ``--tokenizer``, else ``--init-from``'s, else None (bytes)."""
+  if cfg.tokenizer is not None:
+    return cfg.tokenizer
+  if cfg.init_from and find_tokenizer(cfg.init_from) is not None and Path(cfg.init_from).is_dir():
+    return str(Path(cfg.init_from) / TOKENIZER_FILE)
+  return None
+
+
+def tokenizer_for_run(cfg, named: NamedConfig | None = None):
+  """``(tokenizer, named)``: the run's tokenizer and ``named`` with a vocabulary that fits it.
+
+  A model trained from scratch gets the tokenizer's vocabulary size; a model
+  initialised from a checkpoint keeps its embedding, which must hold the
+  tokenizer's largest id.
+
+  Raises:
+    ValueError: one line, for a tokenizer that cannot be read or does not fit.
+  """
+  tok = _tokenizer(tokenizer_path(cfg))
+  if named is None:
+    return tok, None
+  vocab = named.model.vocab_size
+  if isinstance(tok, ByteTokenizer):
+    if vocab < 256:
+      raise SourceError(f'config {named.name} has vocab_size {vocab}; byte data needs >= 256')
+    return tok, named
+  if not cfg.init_from:
+    if vocab != tok.vocab_size:
+      named = dataclasses.replace(
+          named, model=dataclasses.replace(named.model, vocab_size=tok.vocab_size))
+    return tok, named
+  if tok.vocab_size > vocab:
+    raise SourceError(f'tokenizer {tok.name} has {tok.vocab_size} tokens, more than the '
+                      f'{vocab} rows of the embedding of {cfg.init_from}; use the tokenizer the '
+                      'checkpoint was trained with')
+  return tok, named
+
+
+def open_text(cfg, size: int, log):
+  """(batch_at(step), validation batches, what the run records about its data) of a
+  language-model run; logs what the data is."""
+  tok = tokenizer_for_run(cfg)[0]
+  if byte_level_default(cfg.data, tok):
+    data = load_text(cfg.data, size)
+    log(f'data: {data.source}: {data.num_files} files, {len(data.train):,} train / '
+        f'{len(data.val):,} val bytes')
+    batch_at = lambda step: data.batch(step, cfg.batch_size, size, cfg.seed)
+    return batch_at, data.val_batches(cfg.eval_batches, cfg.batch_size, size), {}
+  if isinstance(tok, HFTokenizer):
+    log(f'tokenizer: {tok.name} ({tok.vocab_size:,} ids; documents end with '
+        f'{tok.eot_token!r} = {tok.eot_id})')
+  data = load_tokens(cfg.data, tok, size)
+  log(f'data: {data.description}')
+  batch_at = lambda step: data.batch(step, cfg.batch_size, size, cfg.seed)
+  return (batch_at, data.val_batches(cfg.eval_batches, cfg.batch_size, size),
+          {'tokenizer': getattr(tok, 'name', str(tok)), 'description': data.description})
+
+
+def save_tokenizer(cfg, out: Path):
+  """Copies the run's tokenizer files (tokenizer.json and companions) into ``out/tokenizer``."""
+  tok = tokenizer_for_run(cfg)[0]
+  if not isinstance(tok, HFTokenizer):
+    return
+  dest = out / RUN_TOKENIZER_DIR
+  dest.mkdir(exist_ok=True)
+  shutil.copyfile(tok.path, dest / TOKENIZER_FILE)
+  for name in COMPANION_FILES:
+    if (tok.path.parent / name).is_file():
+      shutil.copyfile(tok.path.parent / name, dest / name)
+
+
+def run_tokenizer(run_dir: Path):
+  """The tokenizer a run folder was trained with (its saved copy; bytes when it has none)."""
+  saved = Path(run_dir) / RUN_TOKENIZER_DIR / TOKENIZER_FILE
+  return load_tokenizer(saved if saved.is_file() else None)
