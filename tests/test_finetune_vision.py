@@ -12,7 +12,7 @@ transformers = pytest.importorskip('transformers')
 from PIL import Image  # noqa: E402
 
 from configs import load_config  # noqa: E402
-from models.hf_export_vision import write_folder  # noqa: E402
+from training import export as export_cli  # noqa: E402
 from models.hf_finetune import load_pretrained  # noqa: E402
 from models.vit import ViTConfig  # noqa: E402
 from numerics import assert_trees_close  # noqa: E402
@@ -108,7 +108,8 @@ def test_fine_tune_at_twice_the_size_and_classify_under_transformers(hf_vit16, t
   last = json.loads((out / 'metrics.jsonl').read_text().splitlines()[-1])
   assert last['val_accuracy'] >= 0.9, last
   config, params, meta = _restore(out)
-  export = write_folder(tmp_path / 'export', 'vit', {'params': params}, config, meta['data'])
+  export = tmp_path / 'export'
+  assert export_cli.main([str(out), str(export)]) == 0   # the command a person runs
 
   model = transformers.ViTForImageClassification.from_pretrained(export).eval()
   proc = transformers.ViTImageProcessor.from_pretrained(export)
