@@ -44,6 +44,9 @@ CHEAP_PRIMITIVES = frozenset({
     'erf', 'erfc', 'sin', 'cos',
     # comparisons, logic and selection
     'eq', 'ne', 'lt', 'le', 'gt', 'ge', 'and', 'or', 'not', 'xor', 'select_n', 'is_finite',
+    # bit arithmetic (a counter-based dropout mask is rebuilt from its key, not kept in float32)
+    'shift_left', 'shift_right_logical', 'shift_right_arithmetic', 'bitcast_convert_type',
+    'population_count', 'clz',
     # types and layout
     'convert_element_type', 'reduce_precision', 'broadcast_in_dim', 'reshape', 'transpose',
     'squeeze', 'expand_dims', 'slice', 'pad', 'concatenate', 'rev', 'iota', 'copy', 'copy_p',

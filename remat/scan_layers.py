@@ -102,9 +102,11 @@ def segmented_scan(step: Callable, x, xs, num_layers: int, policy: Policy):
   rule = policy._layer_policy() or lean_saveable
   size = policy.segment_size(num_layers)
   if num_layers == 1:
-    body = _layer(step, rule, prevent_cse=True)
     if size is not None:  # one segment of one layer: saves only its input
-      body = jax.checkpoint(body, policy=_nothing, prevent_cse=True)
+      body = jax.checkpoint(_layer(step, policy._layer_policy(), prevent_cse=True),
+                            policy=_nothing, prevent_cse=True)
+    else:
+      body = _layer(step, rule, prevent_cse=True)
     return _run_one(body, x, xs)
   if size is None:
     return _run_layers(step, x, xs, num_layers, rule)

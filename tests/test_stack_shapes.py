@@ -140,14 +140,14 @@ def test_scan_layers_pattern_gives_the_loop_by_hand(n, counts, specs):
 
 
 def test_pattern_applies_the_rule_to_every_layer():
-  """full under a pattern saves each layer's input, not one per repeat (less than none)."""
+  """full under a pattern saves each layer's input, not one per repeat (2 x 96 bytes here)."""
   from remat.residuals import saved_residuals
   params, x = _pattern_params(10, 2), jnp.ones((3, D))
   fns = {'local': local_layer, 'global': global_layer}
   def kept(spec):
     loss = lambda p, x: jnp.sum(scan_layers(fns, p, x, pattern=GEMMA, policy=spec)[0])
     return sum(r.nbytes for r in saved_residuals(loss, params, x))
-  assert kept('full') < kept('none')
+  assert kept('full') >= 12 * x.nbytes   # 10 + 2 layers, each one's input kept
   assert kept('seg:2') < kept('full')    # one segment of both repeats: only its input is kept
 
 
