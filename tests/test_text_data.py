@@ -73,6 +73,11 @@ def test_windows_are_packed_with_segments_and_restarting_positions(tok, tmp_path
   np.testing.assert_array_equal(pos[:, 1:], np.where(new_doc, 0, pos[:, :-1] + 1))
   # A document starts right after an end-of-text token.
   assert (b['tokens'][:, :-1][new_doc] == tok.eot_id).all()
+  # A process's share on a mesh: its rows of the same global batch, the rest left zero.
+  share = got.batch(3, 4, 32, 7, rows=(1, 3))
+  for k, v in share.items():
+    np.testing.assert_array_equal(v[[1, 3]], b[k][[1, 3]])
+    assert not v[[0, 2]].any(), k
 
 
 @pytest.mark.parametrize('line,why', [('{"prompt": "x"}', 'keys prompt'),

@@ -269,11 +269,25 @@ class TokenData:
   num_documents: int
   cached: bool
 
-  def batch(self, step: int, batch_size: int, seq_len: int, seed: int) -> dict[str, np.ndarray]:
-    """Training windows of ``seq_len + 1`` tokens for ``step``: a pure function of (seed, step)."""
+  def batch(self, step: int, batch_size: int, seq_len: int, seed: int,
+            rows: tuple[int, ...] | None = None) -> dict[str, np.ndarray]:
+    """Training windows of ``seq_len + 1`` tokens for ``step``: a pure function of (seed, step).
+
+    ``rows`` (a process's share on a mesh, :meth:`training.mesh.Placement.local_rows`): only
+    those windows are read from the memory map; the other rows are zeros, which the process
+    never hands to a device. Every process draws the same starts, so the batch is the same
+    global batch whichever process reads which rows.
+    """
     rng = np.random.default_rng([seed, step])
     starts = rng.integers(0, len(self.train) - seq_len - 1, size=batch_size)
-    return self.train.windows(starts, seq_len + 1)
+    if rows is None:
+      return self.train.windows(starts, seq_len + 1)
+    rows = list(rows)
+    got = self.train.windows(starts[rows], seq_len + 1)
+    out = {k: np.zeros((batch_size,) + v.shape[1:], v.dtype) for k, v in got.items()}
+    for k, v in got.items():
+      out[k][rows] = v
+    return out
 
   def val_batches(self, num_batches: int, batch_size: int, seq_len: int) -> list[dict]:
     """A fixed set of validation windows, evenly spaced over the held-out tokens."""

@@ -97,9 +97,10 @@ def tokenizer_for_run(cfg, named: NamedConfig | None = None):
   return tok, named
 
 
-def open_text(cfg, size: int, log):
+def open_text(cfg, size: int, log, rows: tuple[int, ...] | None = None):
   """(batch_at(step), validation batches, what the run records about its data) of a
-  language-model run; logs what the data is."""
+  language-model run; logs what the data is. ``rows``: this process's share of each batch on a
+  mesh (None: all); a token corpus reads only those windows from its memory map."""
   tok = tokenizer_for_run(cfg)[0]
   if byte_level_default(cfg.data, tok):
     data = load_text(cfg.data, size)
@@ -112,7 +113,7 @@ def open_text(cfg, size: int, log):
         f'{tok.eot_token!r} = {tok.eot_id})')
   data = load_tokens(cfg.data, tok, size)
   log(f'data: {data.description}')
-  batch_at = lambda step: data.batch(step, cfg.batch_size, size, cfg.seed)
+  batch_at = lambda step: data.batch(step, cfg.batch_size, size, cfg.seed, rows)
   return (batch_at, data.val_batches(cfg.eval_batches, cfg.batch_size, size),
           {'tokenizer': getattr(tok, 'name', str(tok)), 'description': data.description})
 

@@ -527,7 +527,7 @@ def _data(cfg: TrainConfig, task: Task, size: int, log, place: meshlib.Placement
   if task.is_vision:
     from training.vision_data import open_vision_data
     return open_vision_data(cfg, task, size, log, place.local_rows(cfg.batch_size))
-  return open_text(cfg, size, log)
+  return open_text(cfg, size, log, place.local_rows(cfg.batch_size))
 
 
 def _pretrained_state(variables: dict, tx) -> st.TrainState:
