@@ -7,6 +7,9 @@ arguments, gradients outputs, so ``temp`` is the activation memory) and compared
 with the untouched model's: ``none`` at most 1.05x its temp (the stack costs nothing
 for stacking), ``full`` at most 0.4x and ``sqrt`` at most 0.7x. docs/own-model.md has
 the figures.
+
+Our own GPT, ViT and Llama (tests/public_models/ours.py) are held to the same bounds
+against their unrolled form (``remat.layout.unrolled_reference``), on both plans too.
 """
 
 import jax
@@ -15,7 +18,7 @@ import pytest
 from remat.measuring import step_memory
 from remat.targets import get_target, gpu_plugin_available
 from tests.numerics import assert_trees_close
-from tests.public_models import bert, gemma, lm1b, vit
+from tests.public_models import bert, gemma, lm1b, ours, vit
 
 CASES = {'bert': bert.case, 'gemma': gemma.case, 'lm1b': lm1b.case, 'vit': vit.case}
 # (spec, the largest temp allowed as a fraction of the untouched model's), issue 23.
@@ -71,20 +74,31 @@ def test_stack_plans_no_more_than_untouched_h200(name):
 
 
 # Our own models against their unrolled form (remat.layout.unrolled_reference: the stack as a
-# Python loop, no checkpoint), at the default configs' shapes; slow (three compiles of each).
-ZOO = {'tiny': (8, 128), 'vit-tiny': (32, 32), 'llama-tiny': (8, 128)}
+# Python loop, no checkpoint), at the default configs' shapes with >= 6 layers (tests/public_models/
+# ours.py); slow (four compiles of each). The same bounds: the unrolled form is what a user would
+# have written without the library.
+def _check_ours(config, target):
+  from bench.zoo import grad_memory
+  from remat.layout import unrolled_reference
+  cfg, (batch, size) = ours.model_config(config), ours.ZOO[config]
+  assert cfg.num_layers >= ours.MIN_LAYERS
+  t = get_target(target)
+  with unrolled_reference():
+    ref = grad_memory(cfg, 'none', batch, size, t).temp
+  for spec, bound in BOUNDS:
+    temp = grad_memory(cfg, spec, batch, size, t).temp
+    assert temp <= bound * ref, (config, target, spec, temp, ref)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('config', sorted(ZOO))
+@pytest.mark.parametrize('config', sorted(ours.ZOO))
 def test_our_models_plan_no_more_than_unrolled_cpu(config):
-  from bench.zoo import grad_memory
-  from configs import load_config
-  from remat.layout import unrolled_reference
-  cfg, (batch, size) = load_config(config).model, ZOO[config]
-  target = get_target('cpu')
-  with unrolled_reference():
-    ref = grad_memory(cfg, 'none', batch, size, target).temp
-  for spec, bound in BOUNDS:
-    temp = grad_memory(cfg, spec, batch, size, target).temp
-    assert temp <= bound * ref, (config, spec, temp, ref)
+  _check_ours(config, 'cpu')
+
+
+@pytest.mark.gpu_plan
+@pytest.mark.slow
+@pytest.mark.skipif(not gpu_plugin_available(), reason='needs the gpu-plan extra')
+@pytest.mark.parametrize('config', sorted(ours.ZOO))
+def test_our_models_plan_no_more_than_unrolled_h200(config):
+  _check_ours(config, 'h200')

@@ -1,6 +1,9 @@
 """Prints docs/own-model.md's table: each public model's loss-gradient temp, untouched and stacked.
 
-    PYTHONPATH=. python -m tests.public_models.table [--targets cpu,h200]
+    PYTHONPATH=. python -m tests.public_models.table [--targets cpu,h200] [--ours]
+
+With ``--ours``, the rows of our own GPT, ViT and Llama (tests/public_models/ours.py)
+instead, each against its unrolled form (``remat.layout.unrolled_reference``).
 """
 
 import argparse
@@ -22,10 +25,42 @@ MODELS = {'Flax lm1b Transformer LM (linen)': lm1b.case, 'Gemma-style (NNX)': ge
 SPECS = ('none', 'full', 'sqrt', 'dots')
 
 
+def ours_rows(targets):
+  """Prints our zoo models' rows: temp per spec, and its ratio to the unrolled model's."""
+  from bench.zoo import grad_memory
+  from remat.layout import unrolled_reference
+  from tests.public_models import ours
+  print('| config (layers) | plan | unrolled | ' + ' | '.join(f'`{s}`' for s in SPECS)
+        + ' | compile unrolled / none |')
+  print('|---|---|---|' + '---|' * len(SPECS) + '---|')
+  for config, (batch, size) in ours.ZOO.items():
+    cfg = ours.model_config(config)
+    for tname in targets:
+      t = get_target(tname)
+      t0 = time.perf_counter()
+      with unrolled_reference():
+        ref = grad_memory(cfg, 'none', batch, size, t).temp
+      t_ref = time.perf_counter() - t0
+      cells, t_none = [], None
+      for spec in SPECS:
+        t0 = time.perf_counter()
+        temp = grad_memory(cfg, spec, batch, size, t).temp
+        t_none = t_none or time.perf_counter() - t0
+        cells.append(f'{format_bytes(temp)} ({temp / ref:.2f}x)')
+      print(f'| `{config}` ({cfg.num_layers}) | {tname.upper()} | {format_bytes(ref)} | '
+            + ' | '.join(cells) + f' | {t_ref:.1f} s / {t_none:.1f} s |', flush=True)
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument('--targets', default='cpu,h200')
+  ap.add_argument('--ours', action='store_true',
+                  help='our GPT, ViT and Llama against their unrolled form instead')
   args = ap.parse_args()
+  if args.ours:
+    print(f'jax {jax.__version__}; loss-gradient temp (XLA memory_analysis), stack / unrolled')
+    ours_rows(args.targets.split(','))
+    return
   print(f'jax {jax.__version__}; loss-gradient temp (XLA memory_analysis), stack / untouched')
   print('| model | plan | untouched | ' + ' | '.join(f'`{s}`' for s in SPECS) + ' | compile untouched / none |')
   print('|---|---|---|' + '---|' * len(SPECS) + '---|')
