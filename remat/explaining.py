@@ -28,6 +28,7 @@ Definitions (docs/measuring.md):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from pathlib import Path
@@ -101,7 +102,8 @@ def explain(build: Callable[[Policy], Any], *example_args, policy: str | Policy 
     policy: a spec or :class:`remat.Policy`.
     target: 'cpu', 'h100', 'h200' or a Target.
     shardings: ``in_shardings`` for ``jax.jit`` (a pytree prefix of the
-      arguments): the per-device program on a mesh is explained.
+      arguments): the per-device program on a mesh is explained, and the
+      explanation's ``mesh`` names the mesh's axis sizes.
 
   Raises:
     PolicyError: an unknown spec, or a tag the program does not emit.
@@ -146,7 +148,21 @@ def _explain_policy(build, example_args, pol: Policy, target: Target, shardings)
                        f'{_one_line(e)}') from None
   memory = compiled_memory(compiled, target.name)
   roles = _leaf_roles(program, example_args, kind)
-  return analyse(plan, memory, pol.spec, target.name, roles, residuals)
+  return dataclasses.replace(analyse(plan, memory, pol.spec, target.name, roles, residuals),
+                             mesh=_mesh_of(shardings))
+
+
+def _mesh_of(shardings) -> dict[str, int] | None:
+  """The axis sizes of the mesh ``shardings`` place on (``{'devices': n}`` for an unnamed set).
+
+  None when every leaf is on one device: the program explained is then the whole one.
+  """
+  leaves = jax.tree_util.tree_leaves(shardings)
+  named = next((s for s in leaves if isinstance(s, jax.sharding.NamedSharding)), None)
+  if named is not None and named.mesh.size > 1:
+    return dict(named.mesh.shape)
+  devices = max((len(s.device_set) for s in leaves if hasattr(s, 'device_set')), default=1)
+  return {'devices': devices} if devices > 1 else None
 
 
 def write(explanations: list[Explanation], path: str, environment: dict,
@@ -178,14 +194,15 @@ def write(explanations: list[Explanation], path: str, environment: dict,
 
 
 def run_cli(build, example_args, specs: list[str], target: Target, path: str, environment: dict,
-            title: str, num_layers: int | None = None) -> int:
+            title: str, num_layers: int | None = None, shardings=None) -> int:
   """``--explain`` of the reports: prints each policy's summary and writes the files (:func:`write`).
 
+  ``shardings`` as for :func:`explain` (the caller's mesh: a per-device plan).
   Raises the one-line errors of :func:`explain_all` for the report to print.
   """
   import sys
-  exps = explain_all(build, *example_args, policies=specs, target=target, num_layers=num_layers,
-                     log=lambda s: print(s, file=sys.stderr, flush=True))
+  exps = explain_all(build, *example_args, policies=specs, target=target, shardings=shardings,
+                     num_layers=num_layers, log=lambda s: print(s, file=sys.stderr, flush=True))
   for e in exps:
     print(e.summary())
   for written in write(exps, path, environment, title):
