@@ -226,16 +226,18 @@ def _explain_report(args, named, fam, size, target, header) -> dict:
          'batch_size': args.batch_size, 'size': size, 'dtype': named.model.dtype}
   title = header.lstrip('# ').replace(', compile only', '')
   example = case.step_args()
-  shardings = None
+  shardings = outs = None
   if args.mesh:   # the shardings the mesh table compiles (training.mesh_plan.plan_row)
     place = _placement(args, target)
     state, batch = example
-    shardings = (place.state_shardings(state), place.batch_shardings(batch))
+    state_sh = place.state_shardings(state)
+    shardings = (state_sh, place.batch_shardings(batch))
+    outs = (state_sh, place.replicated())   # Placement.jit_train_step's: new state, stats
     env.update(mesh=_mesh_text(place), devices=place.mesh.size, per_device=True)
     title = title.replace(f' target {target.name} ({target.description})',
                           f' target {target.name}, {_on_mesh(place, target)}')
   run_cli(case.train_step, example, specs, target, args.explain, env, title, case.num_layers,
-          shardings=shardings)
+          shardings=shardings, out_shardings=outs)
   return {'explain': args.explain, **({'mesh': env['mesh']} if args.mesh else {})}
 
 
