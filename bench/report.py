@@ -67,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--plot', metavar='FILE', help='write a PNG of memory against recompute')
   p.add_argument('--mesh', metavar='AXIS=N,...', default=None,
                  help='per-device plan of the train step on a device mesh (axes data, fsdp; '
-                      'docs/sharding.md); on CPU simulate the devices with '
-                      'XLA_FLAGS=--xla_force_host_platform_device_count=N')
+                      'docs/sharding.md; with --explain, each device\'s explanation); on CPU '
+                      'simulate the devices with XLA_FLAGS=--xla_force_host_platform_device_count=N')
   p.add_argument('--fit', nargs='?', const='batch', choices=('batch', 'size'), default=None,
                  help='instead of the table at one shape: per policy, the largest batch (or, with '
                       "'--fit size', sequence length / image side) whose compiled plan fits --budget")
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--explain', metavar='FILE|DIR',
                  help="instead of the table: what is live when in XLA's plan of the train step "
                       'under each policy (one policy: FILE.json/.png/.svg; several: DIR with one '
-                      'set per policy and overlay.png); docs/measuring.md')
+                      'set per policy and overlay.png); per device with --mesh; docs/measuring.md')
   p.add_argument('--sweep', metavar='depth=N,N,...|resolution=S,S,...',
                  help=f"depth (or, for vit/resnet, image-side) sweep of {', '.join(SWEEP_POLICIES)} "
                       'instead of the policy table')
@@ -171,9 +171,9 @@ def _policy_report(args, named, fam, size, target, header) -> dict:
 def _mesh_report(args, named, fam, size, target, header) -> dict:
   """Per-device plan of each policy's train step on ``--mesh`` (:mod:`training.mesh_plan`)."""
   from training.mesh_plan import format_plan, plan_row
-  if args.sweep or args.time or args.device_peak or args.plot:
-    raise ValueError('--mesh plans the policy table only: drop --sweep, --time, --device-peak '
-                     'and --plot')
+  if args.sweep or args.fit or args.time or args.device_peak or args.plot:
+    raise ValueError('--mesh plans the policy table only: drop --sweep, --fit, --time, '
+                     '--device-peak and --plot')
   place = _placement(args, target)
   case = zoo.case(named.model, args.batch_size, size)
   tags = sorted(case.tags())

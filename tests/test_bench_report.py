@@ -53,6 +53,7 @@ def test_json_schema(tmp_path, capsys):
     (['--mesh', 'fsdp=2', '--explain', 'unused', '--fit'],
      '--explain explains the train step at one shape: drop --sweep, --fit'),
     (['--mesh', 'tensor=2', '--explain', 'unused'], "axis 'tensor' (tensor parallelism) is not"),
+    (['--mesh', 'fsdp=2', '--fit'], '--mesh plans the policy table only: drop --sweep, --fit'),
 ])
 def test_errors_are_one_line(argv, needle, capsys):
   assert report.main(argv) == 2
