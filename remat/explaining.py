@@ -111,7 +111,8 @@ def explain(build: Callable[[Policy], Any], *example_args, policy: str | Policy 
   Raises:
     PolicyError: an unknown spec, or a tag the program does not emit.
     TargetError: an unknown target, or a GPU target without the plugin.
-    ExplainError: ``build`` fails to trace or compile under the policy.
+    ExplainError: ``build`` fails to trace or compile under the policy, or
+      ``out_shardings`` without ``shardings``.
   """
   return explain_all(build, *example_args, policies=[policy], target=target,
                      shardings=shardings, out_shardings=out_shardings)[0]
