@@ -67,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--plot', metavar='FILE', help='write a PNG of memory against recompute')
   p.add_argument('--mesh', metavar='AXIS=N,...', default=None,
                  help='per-device plan of the train step on a device mesh (axes data, fsdp; '
-                      'docs/sharding.md); on CPU simulate the devices with '
-                      'XLA_FLAGS=--xla_force_host_platform_device_count=N')
+                      'docs/sharding.md; with --explain, each device\'s explanation); on CPU '
+                      'simulate the devices with XLA_FLAGS=--xla_force_host_platform_device_count=N')
   p.add_argument('--fit', nargs='?', const='batch', choices=('batch', 'size'), default=None,
                  help='instead of the table at one shape: per policy, the largest batch (or, with '
                       "'--fit size', sequence length / image side) whose compiled plan fits --budget")
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--explain', metavar='FILE|DIR',
                  help="instead of the table: what is live when in XLA's plan of the train step "
                       'under each policy (one policy: FILE.json/.png/.svg; several: DIR with one '
-                      'set per policy and overlay.png); docs/measuring.md')
+                      'set per policy and overlay.png); per device with --mesh; docs/measuring.md')
   p.add_argument('--sweep', metavar='depth=N,N,...|resolution=S,S,...',
                  help=f"depth (or, for vit/resnet, image-side) sweep of {', '.join(SWEEP_POLICIES)} "
                       'instead of the policy table')
@@ -170,16 +170,11 @@ def _policy_report(args, named, fam, size, target, header) -> dict:
 
 def _mesh_report(args, named, fam, size, target, header) -> dict:
   """Per-device plan of each policy's train step on ``--mesh`` (:mod:`training.mesh_plan`)."""
-  from training.mesh import Placement, format_mesh, parse_mesh
   from training.mesh_plan import format_plan, plan_row
-  if args.sweep or args.time or args.device_peak or args.plot:
-    raise ValueError('--mesh plans the policy table only: drop --sweep, --time, --device-peak '
-                     'and --plot')
-  devices = None
-  if target.sharding is not None:   # a GPU target: a host of abstract GPUs, one per mesh slot
-    from training.mesh_plan import gpu_devices
-    devices = gpu_devices(target.name, math.prod(parse_mesh(args.mesh).values()))
-  place = Placement.from_spec(args.mesh, args.batch_size, devices)
+  if args.sweep or args.fit or args.time or args.device_peak or args.plot:
+    raise ValueError('--mesh plans the policy table only: drop --sweep, --fit, --time, '
+                     '--device-peak and --plot')
+  place = _placement(args, target)
   case = zoo.case(named.model, args.batch_size, size)
   tags = sorted(case.tags())
   policies = measuring.resolve_policies(parse_specs(args.policies, fam.policies, tags), set(tags),
@@ -188,12 +183,30 @@ def _mesh_report(args, named, fam, size, target, header) -> dict:
   from tqdm import tqdm
   rows = [plan_row(place, case.train_step(p).step, state, batch, p.spec)
           for p in tqdm(policies, desc='compiling', unit='policy', file=sys.stderr)]
-  mesh = format_mesh(parse_mesh(args.mesh))
-  where = target.name if devices else f'{jax.default_backend()} device'
-  print(format_plan(rows, header.replace(', compile only', f', mesh {mesh} over '
-                                         f'{place.mesh.size} x {where}, per device, '
+  print(format_plan(rows, header.replace(', compile only', f', {_on_mesh(place, target)}, '
                                          'compile only')))
-  return {'mesh': mesh, 'mesh_plan': rows}
+  return {'mesh': _mesh_text(place), 'mesh_plan': rows}
+
+
+def _placement(args, target):
+  """``--mesh``'s :class:`training.mesh.Placement`: local devices, or abstract GPUs of a GPU target."""
+  from training.mesh import Placement, parse_mesh
+  devices = None
+  if target.sharding is not None:   # a GPU target: a host of abstract GPUs, one per mesh slot
+    from training.mesh_plan import gpu_devices
+    devices = gpu_devices(target.name, math.prod(parse_mesh(args.mesh).values()))
+  return Placement.from_spec(args.mesh, args.batch_size, devices)
+
+
+def _mesh_text(place) -> str:
+  from training.mesh import format_mesh
+  return format_mesh(dict(place.mesh.shape))
+
+
+def _on_mesh(place, target) -> str:
+  """'mesh data=1,fsdp=2 over 2 x cpu device, per device': the headers' words for a mesh."""
+  where = target.name if target.sharding is not None else f'{jax.default_backend()} device'
+  return f'mesh {_mesh_text(place)} over {place.mesh.size} x {where}, per device'
 
 
 def _explain_report(args, named, fam, size, target, header) -> dict:
@@ -211,9 +224,21 @@ def _explain_report(args, named, fam, size, target, header) -> dict:
     specs = specs[1:]   # explain what was asked: no baseline is needed here
   env = {'jax': jax.__version__, 'target': target.name, 'config': named.name,
          'batch_size': args.batch_size, 'size': size, 'dtype': named.model.dtype}
-  run_cli(case.train_step, case.step_args(), specs, target, args.explain, env,
-          header.lstrip('# ').replace(', compile only', ''), case.num_layers)
-  return {'explain': args.explain}
+  title = header.lstrip('# ').replace(', compile only', '')
+  example = case.step_args()
+  shardings = outs = None
+  if args.mesh:   # the shardings the mesh table compiles (training.mesh_plan.plan_row)
+    place = _placement(args, target)
+    state, batch = example
+    state_sh = place.state_shardings(state)
+    shardings = (state_sh, place.batch_shardings(batch))
+    outs = (state_sh, place.replicated())   # Placement.jit_train_step's: new state, stats
+    env.update(mesh=_mesh_text(place), devices=place.mesh.size, per_device=True)
+    title = title.replace(f' target {target.name} ({target.description})',
+                          f' target {target.name}, {_on_mesh(place, target)}')
+  run_cli(case.train_step, example, specs, target, args.explain, env, title, case.num_layers,
+          shardings=shardings, out_shardings=outs)
+  return {'explain': args.explain, **({'mesh': env['mesh']} if args.mesh else {})}
 
 
 def _fit_report(args, named, fam, size, target, header) -> dict:
@@ -265,9 +290,6 @@ def main(argv=None) -> int:
     header = (f'# {what}, {fam.arch} {named.name}, batch {args.batch_size} x {dims}, '
               f'{named.model.dtype}, target {target.name} ({target.description}), compile only'
               f'{" + timed on the local backend" if args.time else ""} (jax {jax.__version__})')
-    if args.mesh and args.explain:
-      raise ValueError('--explain plans one device: drop --mesh (remat.explain takes '
-                       'shardings= for a per-device plan)')
     if args.explain:
       body = _explain_report(args, named, fam, size, target, header)
     elif args.mesh:

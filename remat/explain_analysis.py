@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import re
 from typing import Any
 
@@ -68,6 +69,11 @@ class Explanation:
   jaxpr_residual_bytes: int
   saved_at_backward_start: int
   xla: Plan = dataclasses.field(repr=False, compare=False, default=None)
+  mesh: dict[str, int] | None = None   # axis sizes when one device's program of a mesh
+
+  @property
+  def devices(self) -> int:
+    return math.prod(self.mesh.values()) if self.mesh else 1
 
   @property
   def peak_bytes(self) -> int:
@@ -90,7 +96,9 @@ class Explanation:
     f = format_bytes
     loop = next((s for s in reversed(self.loops) if s.start <= self.peak_time <= s.end), None)
     where = self.phase_at(self.peak_time) + (f', in {loop.label}' if loop else '')
-    lines = [f'# {self.spec} on {self.target}: live peak {f(self.peak_bytes)} at schedule position '
+    on = self.target + (f', per device of mesh {_mesh_text(self.mesh)} ({self.devices} devices)'
+                        if self.mesh else '')
+    lines = [f'# {self.spec} on {on}: live peak {f(self.peak_bytes)} at schedule position '
              f'{self.peak_time} of {len(self.timeline) - 1} ({where}); plan {f(self.plan.peak)} '
              f'(argument + output - alias + temp), packing loss {f(self.packing_loss)}'
              + (f'; host {f(self.host_at_peak)} at the peak' if any(self.host_timeline) else '')]
@@ -110,7 +118,8 @@ class Explanation:
   def to_json(self, top: int = 50) -> dict:
     """Every figure, JSON-ready (the timeline in full, the ``top`` largest buffers)."""
     return {
-        'policy': self.spec, 'target': self.target, 'peak_bytes': self.peak_bytes,
+        'policy': self.spec, 'target': self.target, 'per_device': self.mesh is not None,
+        'mesh': self.mesh, 'devices': self.devices, 'peak_bytes': self.peak_bytes,
         'peak_time': self.peak_time, 'schedule_length': len(self.timeline) - 1,
         'peak_phase': self.phase_at(self.peak_time),
         'plan': {**dataclasses.asdict(self.plan), 'peak': self.plan.peak},
@@ -124,6 +133,10 @@ class Explanation:
         'loops': [dataclasses.asdict(s) for s in self.loops],
         'buffers': [dataclasses.asdict(b) for b in self.buffers[:top]],
         'timeline': list(self.timeline), 'host_timeline': list(self.host_timeline)}
+
+
+def _mesh_text(mesh: dict[str, int]) -> str:
+  return ','.join(f'{a}={n}' for a, n in mesh.items())
 
 
 def _hlo_dtype(dtype) -> str:

@@ -28,6 +28,7 @@ Definitions (docs/measuring.md):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from pathlib import Path
@@ -72,12 +73,12 @@ def _leaf_roles(program, args, kind: str) -> list[tuple[str, str]]:
   return roles
 
 
-def _compile(program, args, target: Target, shardings):
+def _compile(program, args, target: Target, kw: dict):
+  """``kw``: jit's ``in_shardings``/``out_shardings`` when given (a mesh), else nothing."""
   from remat.measuring import TrainStep, _abstract, _parts
   fn, donate, _ = _parts(program, args)
   # Given shardings name the devices (a mesh of CPU or abstract GPU devices) themselves.
-  placed = target.place(_abstract(args)) if shardings is None else _abstract(args)
-  kw = {'in_shardings': shardings} if shardings is not None else {}
+  placed = target.place(_abstract(args)) if 'in_shardings' not in kw else _abstract(args)
   # keep_unused: HLO parameter i is then flattened leaf i, so each buffer maps to its argument.
   lowered = jax.jit(fn, donate_argnums=donate, keep_unused=True, **kw).lower(*placed)
   options = dict(target.compiler_options)
@@ -90,7 +91,7 @@ def _compile(program, args, target: Target, shardings):
 
 
 def explain(build: Callable[[Policy], Any], *example_args, policy: str | Policy = 'none',
-            target: Target | str = 'cpu', shardings=None) -> Explanation:
+            target: Target | str = 'cpu', shardings=None, out_shardings=None) -> Explanation:
   """Compiles ``build(policy)`` and explains XLA's memory plan of it (module docstring).
 
   Args:
@@ -101,41 +102,50 @@ def explain(build: Callable[[Policy], Any], *example_args, policy: str | Policy 
     policy: a spec or :class:`remat.Policy`.
     target: 'cpu', 'h100', 'h200' or a Target.
     shardings: ``in_shardings`` for ``jax.jit`` (a pytree prefix of the
-      arguments): the per-device program on a mesh is explained.
+      arguments): the per-device program on a mesh is explained, and the
+      explanation's ``mesh`` names the mesh's axis sizes.
+    out_shardings: ``out_shardings`` for ``jax.jit`` (with ``shardings``),
+      to explain the very program a training loop compiles with them
+      (default: XLA's sharding propagation picks the outputs').
 
   Raises:
     PolicyError: an unknown spec, or a tag the program does not emit.
     TargetError: an unknown target, or a GPU target without the plugin.
-    ExplainError: ``build`` fails to trace or compile under the policy.
+    ExplainError: ``build`` fails to trace or compile under the policy, or
+      ``out_shardings`` without ``shardings``.
   """
   return explain_all(build, *example_args, policies=[policy], target=target,
-                     shardings=shardings)[0]
+                     shardings=shardings, out_shardings=out_shardings)[0]
 
 
 def explain_all(build: Callable[[Policy], Any], *example_args, policies, target='cpu',
-                shardings=None, num_layers: int | None = None,
+                shardings=None, out_shardings=None, num_layers: int | None = None,
                 log: Callable[[str], None] | None = None) -> list[Explanation]:
   """:func:`explain` for several policies; every spec is checked before anything compiles."""
   from remat.measuring import program_tags
+  if out_shardings is not None and shardings is None:
+    raise ExplainError('out_shardings= needs shardings= (the mesh the inputs are on)')
   target = get_target(target) if isinstance(target, str) else target
   try:
     tags = program_tags(build, *example_args)
   except Exception as e:  # the user's function does not even trace under none
     raise ExplainError(f"build('none') does not trace: {_one_line(e)}") from None
   resolved = [get_policy(p, num_layers=num_layers, tags=tags) for p in policies]
+  jit_kw = {k: v for k, v in (('in_shardings', shardings), ('out_shardings', out_shardings))
+            if v is not None}
   out = []
   for pol in resolved:
     if log:
       log(f'explaining {pol.spec} on {target.name} ...')
-    out.append(_explain_policy(build, example_args, pol, target, shardings))
+    out.append(_explain_policy(build, example_args, pol, target, jit_kw))
   return out
 
 
-def _explain_policy(build, example_args, pol: Policy, target: Target, shardings) -> Explanation:
+def _explain_policy(build, example_args, pol: Policy, target: Target, jit_kw) -> Explanation:
   from remat.measuring import step_residuals
   try:
     program = build(pol)
-    compiled, plan, kind = _compile(program, example_args, target, shardings)
+    compiled, plan, kind = _compile(program, example_args, target, jit_kw)
     residuals = step_residuals(program, *example_args)
   except PolicyError as e:   # e.g. a segmenting build() cannot apply
     raise PolicyError(str(e).strip().splitlines()[0]) from None
@@ -146,7 +156,21 @@ def _explain_policy(build, example_args, pol: Policy, target: Target, shardings)
                        f'{_one_line(e)}') from None
   memory = compiled_memory(compiled, target.name)
   roles = _leaf_roles(program, example_args, kind)
-  return analyse(plan, memory, pol.spec, target.name, roles, residuals)
+  return dataclasses.replace(analyse(plan, memory, pol.spec, target.name, roles, residuals),
+                             mesh=_mesh_of(jit_kw.get('in_shardings')))
+
+
+def _mesh_of(shardings) -> dict[str, int] | None:
+  """The axis sizes of the mesh ``shardings`` place on (``{'devices': n}`` for an unnamed set).
+
+  None when every leaf is on one device: the program explained is then the whole one.
+  """
+  leaves = jax.tree_util.tree_leaves(shardings)
+  named = next((s for s in leaves if isinstance(s, jax.sharding.NamedSharding)), None)
+  if named is not None and named.mesh.size > 1:
+    return dict(named.mesh.shape)
+  devices = max((len(s.device_set) for s in leaves if hasattr(s, 'device_set')), default=1)
+  return {'devices': devices} if devices > 1 else None
 
 
 def write(explanations: list[Explanation], path: str, environment: dict,
@@ -178,13 +202,17 @@ def write(explanations: list[Explanation], path: str, environment: dict,
 
 
 def run_cli(build, example_args, specs: list[str], target: Target, path: str, environment: dict,
-            title: str, num_layers: int | None = None) -> int:
+            title: str, num_layers: int | None = None, shardings=None,
+            out_shardings=None) -> int:
   """``--explain`` of the reports: prints each policy's summary and writes the files (:func:`write`).
 
+  ``shardings``, ``out_shardings`` as for :func:`explain` (the caller's mesh: a
+  per-device plan).
   Raises the one-line errors of :func:`explain_all` for the report to print.
   """
   import sys
-  exps = explain_all(build, *example_args, policies=specs, target=target, num_layers=num_layers,
+  exps = explain_all(build, *example_args, policies=specs, target=target, shardings=shardings,
+                     out_shardings=out_shardings, num_layers=num_layers,
                      log=lambda s: print(s, file=sys.stderr, flush=True))
   for e in exps:
     print(e.summary())

@@ -46,6 +46,14 @@ def test_json_schema(tmp_path, capsys):
     (['--fit', '--budget', 'auto:0.5x'], "a fraction of none's plan depends on the batch"),
     (['--fit', '--budget', 'auto'], 'target cpu has no known device memory'),
     (['--fit', '--budget', 'auto:lots'], "cannot read the budget 'lots'"),
+    # --explain with --mesh explains per device, after the same checks as either alone:
+    (['--mesh', 'fsdp=2', '--explain', 'unused'],
+     '--mesh data=1,fsdp=2 has 2 devices, this run has 1 (cpu); simulate CPU devices with '
+     'XLA_FLAGS=--xla_force_host_platform_device_count=2'),
+    (['--mesh', 'fsdp=2', '--explain', 'unused', '--fit'],
+     '--explain explains the train step at one shape: drop --sweep, --fit'),
+    (['--mesh', 'tensor=2', '--explain', 'unused'], "axis 'tensor' (tensor parallelism) is not"),
+    (['--mesh', 'fsdp=2', '--fit'], '--mesh plans the policy table only: drop --sweep, --fit'),
 ])
 def test_errors_are_one_line(argv, needle, capsys):
   assert report.main(argv) == 2
@@ -89,3 +97,78 @@ def test_fit_table_and_plot(tmp_path, capsys):
     assert f['value'] >= 1 and f['peak'] <= 40 * 2**20 < f['next_peak']
   assert fits[1]['value'] >= fits[0]['value']
   assert (tmp_path / 'fit.png').stat().st_size > 0
+
+
+# --explain on a mesh ---------------------------------------------------------------------------
+_TINY = ['--config', 'tiny', '--batch-size', '4', '--seq-len', '32', '--policies', 'full']
+
+
+def _whole_bytes():
+  """(parameter bytes, batch bytes) of the tiny GPT's train step on one device (abstract)."""
+  import jax
+  from bench import zoo
+  from configs import load_config
+  state, batch = zoo.case(load_config('tiny').model, 4, 32).step_args()
+  nbytes = lambda tree: sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(tree))
+  return nbytes((state.params, state.model_state)), nbytes(batch)
+
+
+def _check_mesh_explain(path, table_path, mesh: dict, text: str):
+  """The explanation at ``path`` is the mesh table's per-device program, split per device."""
+  data = json.loads(path.read_text())
+  e, env = data['explain'], data['environment']
+  names = ','.join(f'{a}={n}' for a, n in mesh.items())
+  assert (e['per_device'], e['mesh'], e['devices']) == (True, mesh, 2)
+  assert (env['mesh'], env['devices'], env['per_device']) == (names, 2, True)
+  assert f'# full on {e["target"]}, per device of mesh {names} (2 devices): live peak' in text
+  assert e['peak_bytes'] == max(e['timeline']) == sum(e['categories'].values())
+  # The same program as the mesh table's row (training.mesh_plan.plan_row): XLA's figures agree.
+  row = json.loads(table_path.read_text())['mesh_plan'][-1]
+  assert row['policy'] == 'full'
+  assert {k: e['plan'][k] for k in ('argument', 'output', 'alias', 'temp')} == {
+      k: row[k] for k in ('argument', 'output', 'alias', 'temp')}
+  params, batch = _whole_bytes()
+  # Each device holds half the batch on either mesh; fsdp=2 also halves every parameter array
+  # (each of the tiny GPT's has an even axis), data=2 keeps them whole.
+  assert e['categories']['inputs'] == row['batch'] == batch // 2
+  assert e['categories']['parameters'] == row['params'] == (
+      params // 2 if mesh['fsdp'] == 2 else params)
+
+
+_MESH_EXPLAIN = """
+import sys
+from bench import report
+out = sys.argv[1]
+for mesh in ('fsdp=2', 'data=2'):
+  assert report.main({tiny} + ['--mesh', mesh, '--explain', f'{{out}}/{{mesh}}.json']) == 0
+  assert report.main({tiny} + ['--mesh', mesh, '--json', f'{{out}}/{{mesh}}-table.json']) == 0
+"""
+
+
+@pytest.mark.slow
+def test_explain_on_a_cpu_mesh_is_per_device(tmp_path):
+  """--mesh fsdp=2 and data=2 over 2 simulated CPU devices (a subprocess: JAX reads the flag once)."""
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'PYTHONPATH': root,
+         'XLA_FLAGS': os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=2'}
+  run = subprocess.run([sys.executable, '-c', _MESH_EXPLAIN.format(tiny=_TINY), str(tmp_path)],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=600)
+  assert run.returncode == 0, run.stderr[-3000:]
+  _check_mesh_explain(tmp_path / 'fsdp=2.json', tmp_path / 'fsdp=2-table.json',
+                      {'data': 1, 'fsdp': 2}, run.stdout)
+  _check_mesh_explain(tmp_path / 'data=2.json', tmp_path / 'data=2-table.json',
+                      {'data': 2, 'fsdp': 1}, run.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.gpu_plan
+def test_explain_on_an_h200_mesh_is_per_device(tmp_path, capsys):
+  """--target h200 --mesh fsdp=2: two abstract H200s (no subprocess, no GPU)."""
+  args = _TINY + ['--target', 'h200', '--mesh', 'fsdp=2']
+  assert report.main(args + ['--explain', str(tmp_path / 'e.json')]) == 0
+  text = capsys.readouterr().out
+  assert report.main(args + ['--json', str(tmp_path / 't.json')]) == 0
+  _check_mesh_explain(tmp_path / 'e.json', tmp_path / 't.json', {'data': 1, 'fsdp': 2}, text)

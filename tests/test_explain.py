@@ -99,6 +99,8 @@ def test_one_line_errors(capsys):
     remat.explain(user_mlp.build, *args, policy='full', target='tpu')
   with pytest.raises(PolicyError, match='bogus'):
     remat.explain(user_mlp.build, *args, policy='names:bogus')
+  with pytest.raises(ExplainError, match='out_shardings= needs shardings='):
+    remat.explain(user_mlp.build, *args, policy='full', out_shardings=object())
 
   def broken(policy):
     def loss(params, x):
@@ -195,6 +197,8 @@ mesh = Mesh(np.array(jax.devices()), ('data',))
 rep = NamedSharding(mesh, P())
 shardings = (jax.tree_util.tree_map(lambda _: rep, params), NamedSharding(mesh, P('data')))
 e = remat.explain(user_mlp.build, params, x, policy='full', shardings=shardings)
+assert e.mesh == {'data': 2} and 'per device of mesh data=2 (2 devices)' in e.summary(), e.mesh
+assert e.to_json()['per_device'] and e.to_json()['devices'] == 2
 # Per device: half the batch, so half the batch input and of each saved layer input, whose
 # global [L, B, D] residual the tag matching finds from the shard.
 assert e.categories[INPUTS] == user_mlp.B // 2 * user_mlp.D * 4, e.categories
