@@ -7,8 +7,9 @@ computed from parameters alone (reshaped or transposed weights), do not count;
 everything else does (dropout masks included), with its full shape, so a value
 saved in every iteration of a scan counts as the stacked ``[N, ...]`` array.
 Each residual is traced back through pjit, scan, remat and custom_jvp/vjp
-bodies to the equation that produced it: a ``checkpoint_name`` gives its tag,
-otherwise the primitive and source line are reported.
+bodies to the equation that produced it: a ``checkpoint_name`` gives its tag
+(also when the saved value is the operand of the ``checkpoint_name``, as under
+``dots``), otherwise the primitive and source line are reported.
 
 What this cannot see: values the backward pass materialises while it
 recomputes (e.g. the activations a segment keeps during its own recompute
@@ -25,6 +26,8 @@ from typing import Callable
 import jax
 import numpy as np
 from jax.extend import core as jcore
+
+from remat.layout import CHEAP_PRIMITIVES
 
 # Primitives whose sub-jaxpr outputs line up one-to-one with the equation's outputs.
 _BODY_PARAM = {'pjit': 'jaxpr', 'jit': 'jaxpr', 'closed_call': 'call_jaxpr',
@@ -67,6 +70,32 @@ def _producers(jaxpr):
   return {v: (eqn, i) for eqn in jaxpr.eqns for i, v in enumerate(eqn.outvars)}
 
 
+def _tag_after(var, jaxpr, depth: int = 6):
+  """The ``checkpoint_name`` eqn of the value rebuilt from ``var`` by cheap ops, if any.
+
+  A policy that saves what an expensive op produced (``dots``, the stack's lean
+  rule) keeps the matmul's output, and the model's ``checkpoint_name`` sits on a
+  value computed from it elementwise (a bias added, a reshape): a consumer, not
+  its producer. Consumers are followed through :data:`remat.layout.CHEAP_PRIMITIVES`
+  (what the lean rule rebuilds) for at most ``depth`` steps, nearest first.
+  """
+  frontier, seen = [var], {var}
+  for _ in range(depth):
+    nxt = []
+    for eqn in jaxpr.eqns:
+      if not any(v in frontier for v in eqn.invars if not isinstance(v, jcore.Literal)):
+        continue
+      if eqn.primitive.name == 'name':
+        return eqn
+      if eqn.primitive.name in CHEAP_PRIMITIVES:
+        nxt += [v for v in eqn.outvars if v not in seen]
+        seen.update(eqn.outvars)
+    if not nxt:
+      return None
+    frontier = nxt
+  return None
+
+
 def _origin(var, jaxpr, outer):
   """(tag, where) of ``var`` in ``jaxpr``; ``outer`` maps body invars to the enclosing context."""
   producers = _producers(jaxpr)
@@ -75,6 +104,9 @@ def _origin(var, jaxpr, outer):
       eqn, i = producers[var]
       if eqn.primitive.name == 'name':
         return eqn.params['name'], _summarize(eqn)
+      named = _tag_after(var, jaxpr)
+      if named is not None:
+        return named.params['name'], _summarize(named)
       if eqn.primitive.name in _PASS_THROUGH:
         var = eqn.invars[0]
         continue
@@ -85,6 +117,10 @@ def _origin(var, jaxpr, outer):
           return None, 'literal'
         if eqn.primitive.name == 'scan' and inner in body.invars:
           return None, f'scan carry at {_summarize(eqn).split(" at ", 1)[-1]}'  # per-iteration value
+        for j, o in enumerate(body.outvars):   # the same value also returned as another output
+          named = _tag_after(eqn.outvars[j], jaxpr) if o is inner and j != i else None
+          if named is not None:
+            return named.params['name'], _summarize(named)
         # pjit/remat body invars are their operands; follow them out.
         link = dict(zip(body.invars, eqn.invars)) if len(body.invars) == len(eqn.invars) else {}
         return _origin(inner, body, (link, jaxpr, outer))

@@ -55,3 +55,23 @@ def test_gpt_tags_in_breakdown(small_config, small_params, windows):
   none = by_tag(saved_residuals(
       lambda p, w: st.lm_loss(GPT(cfg, 'full'), p, w, jax.random.PRNGKey(0)), small_params, windows))
   assert set(none) == {'(untagged)'}
+
+
+def _biased_stack(policy):
+  # The tag sits on the matmul output plus a bias, as in nn.Dense: a policy that keeps what the
+  # matmul produced (dots, the stack's lean rule) saves the dot_general output, not the tagged sum.
+  def body(c, wb):
+    w, b = wb
+    return jnp.tanh(checkpoint_name((c @ w + b).reshape(M, K), 'pre')), None
+  body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+  return lambda p, x: jax.lax.scan(body, x, p)[0].sum()
+
+
+def test_a_saved_matmul_output_carries_the_tag_of_the_value_built_from_it():
+  from remat.layout import lean_saveable
+  params = (jnp.ones((L, K, K)), jnp.ones((L, K)))
+  for policy in (lean_saveable, jax.checkpoint_policies.dots_with_no_batch_dims_saveable):
+    res = saved_residuals(_biased_stack(policy), params, jnp.ones((M, K)))
+    saved = {r.tag for r in res if r.shape == (L, M, K) and r.where.startswith('name')}
+    assert by_tag(res)['pre'] == L * LAYER, (policy, res)
+    assert saved == {'pre'}
