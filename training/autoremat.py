@@ -41,7 +41,7 @@ def local_budget(text: str) -> Budget:
   return budget
 
 
-def choose_for_run(cfg, named, task: Task, size: int, log, place=None) -> auto.Choice:
+def choose_for_run(cfg, named, task: Task, size: int, log, place=None, batch=None) -> auto.Choice:
   """Runs (or reads from the cache) the search for this run's train step.
 
   Args:
@@ -51,10 +51,14 @@ def choose_for_run(cfg, named, task: Task, size: int, log, place=None) -> auto.C
     size: sequence length or image side.
     log: where the search's lines and the answer go.
     place: the run's :class:`training.mesh.Placement` (None or no mesh: one device).
+    batch: the run's batch (ShapeDtypeStructs), when it is not the task's plain one (packed
+      text carries segment ids and positions, and attends within documents).
   """
   budget = local_budget(cfg.remat)
   tx = st.make_optimizer(cfg.lr, cfg.steps, cfg.warmup_steps, cfg.weight_decay, cfg.grad_clip)
   args = st.abstract_inputs(task.model('none'), tx, cfg.batch_size, size, cfg.seed)
+  if batch is not None:
+    args = (args[0], batch)
 
   def build(policy):
     model = task.model(policy)
@@ -66,7 +70,8 @@ def choose_for_run(cfg, named, task: Task, size: int, log, place=None) -> auto.C
   key = {'config': named.name, 'model': dataclasses.asdict(named.model), 'batch_size':
          cfg.batch_size, 'size': size, 'optimizer': [cfg.lr, cfg.steps, cfg.warmup_steps,
                                                      cfg.weight_decay, cfg.grad_clip],
-         'seed': cfg.seed, 'guard': True, 'source': source_hash()}
+         'seed': cfg.seed, 'guard': True, 'source': source_hash(),
+         'batch': str(jax.tree_util.tree_map(lambda a: (a.shape, str(a.dtype)), args[1]))}
   shardings = None
   if place is not None and place.mesh is not None:
     state, batch = args   # the shardings Placement.jit_train_step compiles the run's step with
