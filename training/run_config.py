@@ -1,0 +1,184 @@
+"""What a run is: :class:`TrainConfig`, its checks, and the model, task and policy it resolves to.
+
+Everything here runs before anything compiles or is written, so a bad flag
+costs nothing (the CLI turns :class:`RunError` into one line and exit code 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+from configs import DEFAULT_CONFIG, NamedConfig, config_names, load_config, with_dtype
+from remat.auto_budget import is_auto, parse_budget
+from remat.policies import Policy, get_policy
+from training import resume_check
+from training import rundir
+from training.guard import GuardConfig
+from training.tasks import Task
+from training.text_source import HF_CONFIG_PREFIX, load_named, tokenizer_for_run
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Every setting of a run; built once from the named config plus flags.
+
+  ``seq_len`` applies to GPT configs, ``image_size`` to vision configs (None:
+  the model config's image size). ``model``, if set, is the arch the config
+  must have. ``dtype`` (None: the model config's) overrides the model config's
+  compute dtype (docs/precision.md). ``restart`` and ``allow_changed`` act on
+  one invocation and are not recorded; ``spike_*`` are the loss guard's
+  thresholds (:mod:`training.guard`).
+  """
+  config: str = 'tiny'
+  remat: str = 'sqrt'
+  model: str | None = None
+  steps: int = 300
+  batch_size: int = 16
+  seq_len: int = 128
+  image_size: int | None = None
+  lr: float = 3e-3
+  warmup_steps: int = 30
+  weight_decay: float = 0.1
+  grad_clip: float = 1.0
+  seed: int = 0
+  data: str | None = None
+  out: str | None = None
+  resume: bool = False
+  init_from: str | None = None
+  eval_every: int = 50
+  eval_batches: int = 8
+  save_every: int = 100
+  memory_report: bool = True
+  skip_nonfinite: int = 0
+  mesh: str | None = None  # --mesh AXIS=N,...; None: one device (training/mesh.py)
+  dtype: str | None = None
+  restart: bool = False
+  allow_changed: str | None = None  # --allow-changed a,b: compared settings a resume may change
+  spike_factor: float = GuardConfig.factor
+  spike_margin: float = GuardConfig.margin
+  spike_patience: int = GuardConfig.patience
+  data_workers: int | None = None  # image folders: Grain worker processes (None: by core count)
+  tokenizer: str | None = None  # None: --init-from's tokenizer, else bytes (training/tokenizer.py)
+
+  @property
+  def out_dir(self) -> Path:
+    if self.out:
+      return Path(self.out)
+    # A bfloat16 run of the same config and policy gets its own folder (float32 keeps the name).
+    suffix = f'-{self.dtype}' if self.dtype not in (None, 'float32') else ''
+    return Path('runs') / (rundir.default_name(self.config, self.remat) + suffix)
+
+
+class RunError(ValueError):
+  """A setting that cannot be used; the message is one line."""
+
+
+class DivergedError(RunError):
+  """The run stopped at a non-finite loss or gradient; the checkpoints on disk are good."""
+
+
+def _flag(name: str) -> str:
+  return '--' + name.replace('_', '-')
+
+
+def _check_positive(cfg: TrainConfig):
+  for name in ('steps', 'batch_size', 'seq_len', 'eval_every', 'eval_batches', 'save_every',
+               'spike_patience'):
+    if getattr(cfg, name) < 1:
+      raise RunError(f'{_flag(name)} must be >= 1, got {getattr(cfg, name)}')
+  for name in ('warmup_steps', 'skip_nonfinite'):
+    if getattr(cfg, name) < 0:
+      raise RunError(f'{_flag(name)} must be >= 0, got {getattr(cfg, name)}')
+  # NaN fails every comparison, so each check is written to pass only for good values.
+  for name, low, strict in (('lr', 0.0, True), ('grad_clip', 0.0, True),
+                            ('weight_decay', 0.0, False)):
+    value = getattr(cfg, name)
+    if not (math.isfinite(value) and (value > low if strict else value >= low)):
+      raise RunError(f"{_flag(name)} must be a finite number {'>' if strict else '>='} {low:g}, "
+                     f'got {value}')
+  # The guard's thresholds may be inf (the guard off), never NaN or below their floor.
+  for name, low in (('spike_factor', 1.0), ('spike_margin', 0.0)):
+    if not getattr(cfg, name) >= low:
+      raise RunError(f'{_flag(name)} must be >= {low:g} (inf turns the guard off), got '
+                     f'{getattr(cfg, name)}')
+  if cfg.resume and cfg.restart:
+    raise RunError('--resume continues a run and --restart starts it over; pass one of them')
+  resume_check.parse_allowed(cfg.allow_changed)
+
+
+def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
+  """Checks the config, the shapes and the policy (against the model's depth and tags).
+
+  Returns:
+    (named config, task, size, policy); size is the sequence length (GPT) or
+    the image side (vision). policy is None for an ``auto`` budget, which
+    :func:`train` resolves by compiling (:mod:`training.autoremat`).
+  """
+  _check_positive(cfg)
+  named = with_dtype(load_named(cfg.config), cfg.dtype)
+  if cfg.model is not None and cfg.model != named.arch:
+    raise RunError(f"--model {cfg.model} does not match config {named.name} (a {named.arch} "
+                   f"model); {cfg.model} configs: {', '.join(config_names(cfg.model))}")
+  task = Task(named.model)
+  model_cfg = named.model
+  if task.is_vision:
+    size = cfg.image_size or model_cfg.image_size
+    if task.arch == 'vit' and (size < 1 or size % model_cfg.patch_size):
+      raise RunError(f'--image-size {size} does not fit config {named.name}: a ViT takes a '
+                     f'multiple of its patch size {model_cfg.patch_size} (its positions are '
+                     'resampled to that grid)')
+    if task.arch == 'resnet' and size < 32:
+      raise RunError(f'--image-size must be >= 32 for a ResNet, got {size}')
+    # The model at the run's image side, with a classifier for the data's classes.
+    from training.vision_data import num_classes
+    named = dataclasses.replace(named, model=dataclasses.replace(
+        model_cfg, image_size=size, num_classes=num_classes(cfg.data, model_cfg.num_classes)))
+    task, model_cfg = Task(named.model), named.model
+  else:
+    if cfg.image_size is not None:
+      raise RunError(f'--image-size applies to vit and resnet configs; {named.name} is a gpt '
+                     'config (use --seq-len)')
+    size = cfg.seq_len
+    if size > model_cfg.max_len:
+      raise RunError(f'--seq-len {size} exceeds config {named.name} max_len {model_cfg.max_len}')
+    # The tokenizer's vocabulary must fit the embedding (a fresh model is sized to it).
+    named = tokenizer_for_run(cfg, named)[1]
+    task = Task(named.model)
+  if is_auto(cfg.remat):   # a budget: checked here, resolved to a policy by train() (compiles)
+    parse_budget(cfg.remat)
+    return named, task, size, None
+  policy = get_policy(cfg.remat, num_layers=task.num_layers)
+  return named, task, size, policy.validate(task.num_layers, task.emitted_tags(size))
+
+
+def default_config(model: str | None) -> str:
+  """The config a run uses when only ``--model`` (or nothing) is given."""
+  if model is None:
+    return TrainConfig.config
+  if model not in DEFAULT_CONFIG:
+    raise RunError(f"unknown --model '{model}'; valid: {', '.join(DEFAULT_CONFIG)}")
+  return DEFAULT_CONFIG[model]
+
+
+NUMERICS_FIELDS = ('attention', 'dtype', 'loss_chunk')
+# Settings of one invocation, not of the run: never recorded, never read back.
+def matching_config(path: str) -> str:
+  """The shipped config whose model shape equals that of the Hugging Face checkpoint at ``path``,
+  else ``hf:PATH``: the model built from the checkpoint's own config.json.
+
+  Raises:
+    HFImportError: one line, for a folder or config.json that cannot be used.
+  """
+  from models.hf import load_hf_config
+  arch, hf_cfg = load_hf_config(path)
+  for name in config_names(arch):
+    ours = load_config(name).model
+    # A ResNet's image_size is only its default training side, not part of its shape; nor
+    # are the fields that only change how the model computes.
+    same = {f: getattr(ours, f) for f in NUMERICS_FIELDS + ('image_size',)
+            if hasattr(ours, f) and (f != 'image_size' or arch == 'resnet')}
+    if ours == dataclasses.replace(hf_cfg, **same):
+      return name
+  return HF_CONFIG_PREFIX + str(path)
