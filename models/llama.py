@@ -309,7 +309,7 @@ class SwiGLUDown(Dense):
 
 
 # Rows (tokens) per chunk of the MLP's backward pass (:func:`swiglu_mlp`).
-MLP_BACKWARD_ROWS = 256
+MLP_BACKWARD_ROWS = 128
 
 
 def _mlp_forward(x, wg, wu, wd):
