@@ -41,7 +41,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from models.attention import attention
-from models.layers import DTYPES
+from models.layers import DTYPES, row_chunks
 from remat.policies import Policy, get_policy
 from remat.stack import LayerStack
 
@@ -308,10 +308,6 @@ class SwiGLUDown(Dense):
     return swiglu_down(gate, up, self._kernel(gate.shape[-1]))
 
 
-# Rows (tokens) per chunk of the MLP's backward pass (:func:`swiglu_mlp`).
-MLP_BACKWARD_ROWS = 128
-
-
 def _mlp_forward(x, wg, wu, wd):
   gate = checkpoint_name(jnp.dot(x, wg), 'mlpwi_0')
   up = checkpoint_name(jnp.dot(x, wu), 'mlpwi_1')
@@ -325,14 +321,14 @@ def swiglu_mlp(x, wg, wu, wd):
   Same values as the ops written out, and the same matmuls in both passes.
   The backward pass keeps ``x``, ``gate`` and ``up`` (tagged ``mlpwi_0``,
   ``mlpwi_1``: the matmul outputs a policy may save or recompute, as
-  before) and runs over :data:`MLP_BACKWARD_ROWS` rows at a time: each
+  before) and runs over :data:`models.layers.BACKWARD_ROWS` rows at a time: each
   chunk rebuilds ``silu(gate)`` and its slope elementwise, computes its
   rows of every ``[.., F]`` derivative and of ``dx``, and adds its share to
   the three weight gradients. Differentiated whole, XLA's CPU plan of one
   layer's backward pass held nine ``[B*T, F]`` buffers at once (the
   elementwise values, ``d_gate``, ``d_up`` and a transposed copy of each
   for the weight-gradient matmuls); per chunk they are a few
-  ``[MLP_BACKWARD_ROWS, F]`` ones. No matmul is added: the weight gradients
+  ``[models.layers.BACKWARD_ROWS, F]`` ones. No matmul is added: the weight gradients
   are the same products summed over chunks.
   """
   return _mlp_forward(x, wg, wu, wd)[0]
@@ -343,17 +339,10 @@ def _swiglu_mlp_fwd(x, wg, wu, wd):
   return out, (x, wg, wu, wd, gate, up)
 
 
-def _row_chunks(rows: int) -> int:
-  n = max(1, rows // MLP_BACKWARD_ROWS)
-  while rows % n:
-    n -= 1
-  return n
-
-
 def _swiglu_mlp_bwd(res, g):
   x, wg, wu, wd, gate, up = res
   rows = math.prod(x.shape[:-1])
-  n = _row_chunks(rows)
+  n = row_chunks(rows)
   split = lambda a: a.reshape(n, rows // n, a.shape[-1])
   contract_rows = (((0,), (0,)), ((), ()))
 
