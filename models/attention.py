@@ -5,8 +5,9 @@
 ``'dense'``
   The whole [B, H, T, T] score matrix in one piece, as written in the
   papers. Fastest on CPU at short sequences. The backward pass keeps only
-  ``q, k, v`` and recomputes the probabilities, but forward and backward
-  each materialise [B, H, T, T] arrays: memory grows as T**2.
+  ``q, k, v`` and recomputes the probabilities, :data:`BACKWARD_ROWS` query
+  rows at a time, but the forward pass materialises [B, H, T, T] arrays:
+  memory grows as T**2.
 ``'blockwise'``
   Online softmax over blocks of queries and keys in plain XLA (Milakov &
   Gimelshein 2018; Dao et al.'s FlashAttention-2 schedule), one
