@@ -67,7 +67,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from models.layers import bernoulli, bernoulli_block, fused_bits_ok
+from models.layers import MAX_BACKWARD_CHUNKS, bernoulli, bernoulli_block, fused_bits_ok
 
 IMPLEMENTATIONS = ('auto', 'dense', 'blockwise', 'cudnn')
 
@@ -351,7 +351,8 @@ def _attention_bwd(causal, rate, res, g):
     dk_c = _einsum('bngqk,bngqd->bnkd', d_scores, q_c)
     return dq_c, dk_c, dv_c
 
-  size = min(BACKWARD_ROWS, t)
+  # At most MAX_BACKWARD_CHUNKS steps (one launch of each matmul per step on a GPU).
+  size = max(min(BACKWARD_ROWS, t), -(-t // MAX_BACKWARD_CHUNKS))
   whole, rest = divmod(t, size)
 
   def step(acc, row0):
