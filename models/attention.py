@@ -5,8 +5,9 @@
 ``'dense'``
   The whole [B, H, T, T] score matrix in one piece, as written in the
   papers. Fastest on CPU at short sequences. The backward pass keeps only
-  ``q, k, v`` and recomputes the probabilities, but forward and backward
-  each materialise [B, H, T, T] arrays: memory grows as T**2.
+  ``q, k, v`` and recomputes the probabilities, :data:`BACKWARD_ROWS` query
+  rows at a time, but the forward pass materialises [B, H, T, T] arrays:
+  memory grows as T**2.
 ``'blockwise'``
   Online softmax over blocks of queries and keys in plain XLA (Milakov &
   Gimelshein 2018; Dao et al.'s FlashAttention-2 schedule), one
@@ -66,7 +67,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from models.layers import bernoulli, bernoulli_block, fused_bits_ok
+from models.layers import MAX_BACKWARD_CHUNKS, bernoulli, bernoulli_block, fused_bits_ok
 
 IMPLEMENTATIONS = ('auto', 'dense', 'blockwise', 'cudnn')
 
@@ -285,23 +286,91 @@ def _attention_fwd(q, k, v, key, segs, causal, rate):
   return ctx, (q, k, v, key, segs)
 
 
+# Query rows per step of the dense attention's backward pass (:func:`_attention_bwd`).
+BACKWARD_ROWS = 64
+
+
 def _attention_bwd(causal, rate, res, g):
+  """The dense gradient, a loop over chunks of :data:`BACKWARD_ROWS` query rows.
+
+  Each step recomputes its rows' probabilities ``[B, Hkv, G, rows, T]`` (the
+  forward's formula, row by row the same values), gives their ``dQ`` and adds
+  their share to ``dK`` and ``dV``: the same matmuls as one pass over all
+  rows. In one pass, XLA's CPU plan computed the ``[B, H, T, T]``
+  probabilities as soon as ``q`` and ``k`` existed and, under a policy that
+  recomputes the layer, merged them with the recomputed forward's: they and a
+  transposed copy (for ``P^T dO``) stayed live across the rest of the
+  layer's backward pass, the MLP's included. The loop reads ``dO``, so it
+  starts only once ``dO`` exists, and holds one chunk's ``[.., rows, T]``
+  arrays at a time. Rows past the last whole chunk run as one shorter step.
+  """
   q, k, v, key, segs = res
   dtypes = (q.dtype, k.dtype, v.dtype)
   hkv = k.shape[2]
   q, k, v, g = _f32(_groups(q, hkv), _heads(k), _heads(v), _groups(g, hkv))
-  probs = _probs(q, k, segs, causal)    # the forward pass's probabilities, recomputed
-  dropped, mask = _dropped(probs, key, rate)
-  # The forward pass's P @ V read P in v's dtype: so does its derivative (no-op in float32).
-  dv = _einsum('bngqk,bngqd->bnkd', *_f32(dropped.astype(dtypes[2]), g))
-  d_probs = _einsum('bngqd,bnkd->bngqk', g, v)
-  if mask is not None:
-    d_probs = jax.lax.select(mask, d_probs / (1.0 - rate), jnp.zeros_like(d_probs))
-  # Softmax derivative; masked (causal) entries have probs 0, so no gradient.
-  d_scores = probs * (d_probs - jnp.sum(probs * d_probs, axis=-1, keepdims=True))
-  d_scores = d_scores / math.sqrt(q.shape[-1])
-  dq = _einsum('bngqk,bnkd->bngqd', d_scores, k)
-  dk = _einsum('bngqk,bngqd->bnkd', d_scores, q)
+  b, n, groups, t, d = q.shape
+  full = (b, n * groups, t, t)
+  whole_mask = None
+  if rate > 0.0 and not fused_bits_ok(key, full):
+    whole_mask = bernoulli(key, 1.0 - rate, full).reshape(b, n, groups, t, t)
+  cols = jax.lax.broadcasted_iota(jnp.int32, (1, t), 1)
+
+  def chunk(row0, rows: int):
+    """dQ of rows ``row0 .. row0 + rows`` and their shares of dK and dV."""
+    q_c = jax.lax.dynamic_slice_in_dim(q, row0, rows, axis=3)
+    g_c = jax.lax.dynamic_slice_in_dim(g, row0, rows, axis=3)
+    scores = _einsum('bngqd,bnkd->bngqk', q_c, k) / math.sqrt(d)
+    if causal:
+      ids = row0 + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+      scores = jnp.where(cols <= ids, scores, jnp.finfo(scores.dtype).min)
+    if segs is not None:
+      seg_q = jax.lax.dynamic_slice_in_dim(segs, row0, rows, axis=1)
+      same = (seg_q[:, :, None] == segs[:, None, :])[:, None, None]
+      scores = jnp.where(same, scores, jnp.finfo(scores.dtype).min)
+    # jax.nn.softmax's operations, as in the forward pass (_exp_scores).
+    unnormalised = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+    probs = unnormalised / jnp.sum(unnormalised, axis=-1, keepdims=True)
+    mask = None
+    if rate > 0.0:   # these rows of the forward's mask, the same bits
+      if whole_mask is None:
+        mask = bernoulli_block(key, 1.0 - rate, (b, n * groups, rows, t), full,
+                               (0, 0, row0, 0)).reshape(probs.shape)
+      else:
+        mask = jax.lax.dynamic_slice_in_dim(whole_mask, row0, rows, axis=3)
+    dropped = probs if mask is None else jax.lax.select(mask, probs / (1.0 - rate),
+                                                        jnp.zeros_like(probs))
+    # The forward pass's P @ V read P in v's dtype: so does its derivative (no-op in float32).
+    dv_c = _einsum('bngqk,bngqd->bnkd', *_f32(dropped.astype(dtypes[2]), g_c))
+    d_probs = _einsum('bngqd,bnkd->bngqk', g_c, v)
+    if mask is not None:
+      d_probs = jax.lax.select(mask, d_probs / (1.0 - rate), jnp.zeros_like(d_probs))
+    # Softmax derivative; masked (causal) entries have probs 0, so no gradient.
+    d_scores = probs * (d_probs - jnp.sum(probs * d_probs, axis=-1, keepdims=True))
+    d_scores = d_scores / math.sqrt(d)
+    dq_c = _einsum('bngqk,bnkd->bngqd', d_scores, k)
+    dk_c = _einsum('bngqk,bngqd->bnkd', d_scores, q_c)
+    return dq_c, dk_c, dv_c
+
+  # At most MAX_BACKWARD_CHUNKS steps (one launch of each matmul per step on a GPU).
+  size = max(min(BACKWARD_ROWS, t), -(-t // MAX_BACKWARD_CHUNKS))
+  whole, rest = divmod(t, size)
+
+  def step(acc, row0):
+    dq, dk, dv = acc
+    dq_c, dk_c, dv_c = chunk(row0, size)
+    first = row0 == 0
+    return (jax.lax.dynamic_update_slice_in_dim(dq, dq_c, row0, axis=3),
+            jnp.where(first, dk_c, dk + dk_c), jnp.where(first, dv_c, dv + dv_c)), None
+
+  # The carry starts as copies of dO: buffers made once dO exists (constant zeros would be
+  # made at once, and held across the rest of the layer's backward pass). No value of them
+  # is read: each step writes its rows of dQ, and the first step sets dK and dV.
+  acc = (g, g[:, :, 0], g[:, :, 0])
+  (dq, dk, dv), _ = jax.lax.scan(step, acc, jnp.arange(whole, dtype=jnp.int32) * size)
+  if rest:
+    dq_c, dk_c, dv_c = chunk(whole * size, rest)
+    dq = jax.lax.dynamic_update_slice_in_dim(dq, dq_c, whole * size, axis=3)
+    dk, dv = dk + dk_c, dv + dv_c
   dq, dk, dv = (d.astype(t) for d, t in zip((_ungroup(dq), _heads(dk), _heads(dv)), dtypes))
   return dq, dk, dv, np.zeros(key.shape, jax.dtypes.float0), _int_zeros(segs)
 

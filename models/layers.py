@@ -83,38 +83,73 @@ def _dense_params(module: nn.Module, in_features: int, features: int, kernel_ini
   return kernel, module.param('bias', nn.initializers.zeros_init(), (features,), jnp.float32)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+# Rows (tokens) per step of the chunked backward passes (gelu_dense; models/llama.py's MLP).
+BACKWARD_ROWS = 128
+# ... in at most this many steps: a loop step is one launch of each matmul on a GPU, so at real
+# sizes (16k tokens) the chunks grow (1024 rows) rather than the launches; the working set is
+# still a sixteenth of one pass's.
+MAX_BACKWARD_CHUNKS = 16
+
+
+def row_chunks(rows: int, size: int = BACKWARD_ROWS) -> int:
+  """How many equal chunks of about ``size`` rows (at least ``size``; 1 if fewer; at most
+  :data:`MAX_BACKWARD_CHUNKS`) ``rows`` splits into."""
+  n = max(1, min(rows // size, MAX_BACKWARD_CHUNKS))
+  while rows % n:
+    n -= 1
+  return n
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def gelu_dense(h, kernel, bias, approximate: bool):
-  """``nn.Dense`` applied to ``jax.nn.gelu(h)``, keeping only ``h`` for the backward pass.
+  """``nn.Dense`` applied to ``jax.nn.gelu(h)``, keeping only ``h``, with a chunked backward pass.
 
   Same values as the two ops. Differentiated as written, the backward pass
   would keep ``gelu(h)`` (the matmul's input, for its weight gradient) and
   the slope ``gelu'(h)``, two ``[.., F]`` arrays, while PyTorch keeps ``h``
-  and ``gelu(h)``. This rule keeps ``h`` alone: its tangent is a
-  ``jax.checkpoint`` that recomputes ``gelu(h)`` and the slope from ``h``,
-  elementwise, in the backward pass; no matmul is recomputed. The forward
-  matmul stays a plain ``dot_general``, so ``dots`` policies still see (and
-  may save) its output.
+  and ``gelu(h)``. This rule keeps ``h`` alone and runs its backward pass
+  over :data:`BACKWARD_ROWS` rows at a time: each step rebuilds ``gelu(h)``
+  and the slope for its rows, elementwise, writes its rows of ``dh`` and adds
+  its share of the weight and bias gradients. Written as one pass, XLA's CPU
+  plan held five more ``[.., F]`` buffers at once (``gelu(h)``, three of the
+  rebuilt erf GELU and ``dO W^T``). No matmul is recomputed or added. The
+  forward matmul is a plain ``dot_general``, so ``dots`` policies still see
+  (and may save) its output.
   """
   return _dense_apply(jax.nn.gelu(h, approximate=approximate), kernel, bias)
 
 
-@functools.partial(jax.checkpoint, static_argnums=(4,), prevent_cse=False)
-def _gelu_dense_tangent(h, kernel, dh, d_kernel, approximate):
-  # A checkpoint saves its inputs alone: gelu(h) and the slope are rebuilt from h in the
-  # backward pass. prevent_cse=False: the forward's gelu(h) lives in another loop (or the
-  # same recompute), so XLA's CSE cannot stretch its lifetime.
-  a = jax.nn.gelu(h, approximate=approximate)
-  slope_dh = gelu_slope(h, approximate) * dh
-  return _matmul(slope_dh, kernel) + _matmul(a, d_kernel)
+def _gelu_dense_fwd(h, kernel, bias, approximate):
+  return gelu_dense(h, kernel, bias, approximate), (h, kernel, bias)
 
 
-@gelu_dense.defjvp
-def _gelu_dense_jvp(approximate, primals, tangents):
-  (h, kernel, bias), (dh, d_kernel, d_bias) = primals, tangents
-  out = _dense_apply(jax.nn.gelu(h, approximate=approximate), kernel, bias)
-  tangent = _gelu_dense_tangent(h, kernel, dh, d_kernel, approximate)
-  return out, tangent + jnp.reshape(d_bias, (1,) * (out.ndim - 1) + (-1,))
+def _gelu_dense_bwd(approximate, res, g):
+  h, kernel, bias = res
+  f, d = kernel.shape
+  h2, g2 = h.reshape(-1, f), g.reshape(-1, d)
+  rows = h2.shape[0]
+  n = row_chunks(rows)
+  size = rows // n
+  contract_rows = (((0,), (0,)), ((), ()))
+
+  def step(acc, row0):
+    dh, dw, db = acc
+    h_c = jax.lax.dynamic_slice_in_dim(h2, row0, size)
+    g_c = jax.lax.dynamic_slice_in_dim(g2, row0, size)
+    a = jax.nn.gelu(h_c, approximate=approximate)
+    dw_c = jax.lax.dot_general(a, g_c, contract_rows, preferred_element_type=jnp.float32)
+    db_c = jnp.sum(g_c.astype(jnp.float32), axis=0)
+    dh_c = jnp.dot(g_c, kernel.T) * gelu_slope(h_c, approximate)
+    return (jax.lax.dynamic_update_slice_in_dim(dh, dh_c.astype(dh.dtype), row0, 0),
+            dw + dw_c, db + db_c), None
+
+  acc = (jnp.zeros(h2.shape, h.dtype), jnp.zeros(kernel.shape, jnp.float32),
+         jnp.zeros(bias.shape, jnp.float32))
+  (dh, dw, db), _ = jax.lax.scan(step, acc, jnp.arange(n, dtype=jnp.int32) * size)
+  return dh.reshape(h.shape), dw.astype(kernel.dtype), db.astype(bias.dtype)
+
+
+gelu_dense.defvjp(_gelu_dense_fwd, _gelu_dense_bwd)
 
 
 class GeluDense(nn.Module):

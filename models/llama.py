@@ -41,7 +41,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from models.attention import attention
-from models.layers import DTYPES
+from models.layers import DTYPES, row_chunks
 from remat.policies import Policy, get_policy
 from remat.stack import LayerStack
 
@@ -308,16 +308,91 @@ class SwiGLUDown(Dense):
     return swiglu_down(gate, up, self._kernel(gate.shape[-1]))
 
 
+def _mlp_forward(x, wg, wu, wd):
+  gate = checkpoint_name(jnp.dot(x, wg), 'mlpwi_0')
+  up = checkpoint_name(jnp.dot(x, wu), 'mlpwi_1')
+  return _swiglu_down_apply(gate, up, wd), gate, up
+
+
+@jax.custom_vjp
+def swiglu_mlp(x, wg, wu, wd):
+  """SwiGLU ``(silu(x @ wg) * (x @ wu)) @ wd``, with a backward pass over chunks of rows.
+
+  Same values as the ops written out, and the same matmuls in both passes.
+  The backward pass keeps ``x``, ``gate`` and ``up`` (tagged ``mlpwi_0``,
+  ``mlpwi_1``: the matmul outputs a policy may save or recompute, as
+  before) and runs over :data:`models.layers.BACKWARD_ROWS` rows at a time: each
+  chunk rebuilds ``silu(gate)`` and its slope elementwise, computes its
+  rows of every ``[.., F]`` derivative and of ``dx``, and adds its share to
+  the three weight gradients. Differentiated whole, XLA's CPU plan of one
+  layer's backward pass held nine ``[B*T, F]`` buffers at once (the
+  elementwise values, ``d_gate``, ``d_up`` and a transposed copy of each
+  for the weight-gradient matmuls); per chunk they are a few
+  ``[models.layers.BACKWARD_ROWS, F]`` ones. No matmul is added: the weight gradients
+  are the same products summed over chunks.
+  """
+  return _mlp_forward(x, wg, wu, wd)[0]
+
+
+def _swiglu_mlp_fwd(x, wg, wu, wd):
+  out, gate, up = _mlp_forward(x, wg, wu, wd)
+  return out, (x, wg, wu, wd, gate, up)
+
+
+def _swiglu_mlp_bwd(res, g):
+  x, wg, wu, wd, gate, up = res
+  rows = math.prod(x.shape[:-1])
+  n = row_chunks(rows)
+  split = lambda a: a.reshape(n, rows // n, a.shape[-1])
+  contract_rows = (((0,), (0,)), ((), ()))
+
+  def step(acc, chunk):
+    xc, gc, uc, gg = chunk
+    sig = jax.nn.sigmoid(gc)
+    silu = gc * sig
+    d_wd = jax.lax.dot_general(silu * uc, gg, contract_rows, preferred_element_type=jnp.float32)
+    dh = jnp.dot(gg, wd.T)
+    d_up = dh * silu
+    # silu'(g) = s + g s (1 - s) = s (1 + g (1 - s))
+    d_gate = dh * uc * (sig * (1 + gc * (1 - sig)))
+    dx = jnp.dot(d_gate, wg.T) + jnp.dot(d_up, wu.T)
+    d_wg = jax.lax.dot_general(xc, d_gate, contract_rows, preferred_element_type=jnp.float32)
+    d_wu = jax.lax.dot_general(xc, d_up, contract_rows, preferred_element_type=jnp.float32)
+    return tuple(a + d for a, d in zip(acc, (d_wg, d_wu, d_wd))), dx
+
+  init = tuple(jnp.zeros(w.shape, jnp.float32) for w in (wg, wu, wd))
+  (d_wg, d_wu, d_wd), dx = jax.lax.scan(step, init, (split(x), split(gate), split(up), split(g)))
+  return (dx.reshape(x.shape), d_wg.astype(wg.dtype), d_wu.astype(wu.dtype),
+          d_wd.astype(wd.dtype))
+
+
+swiglu_mlp.defvjp(_swiglu_mlp_fwd, _swiglu_mlp_bwd)
+
+
+class DenseKernel(Dense):
+  """A ``Dense`` layer's ``kernel`` alone, for a rule that applies it itself (same variable)."""
+
+  @nn.compact
+  def __call__(self, in_features: int):
+    return self._kernel(in_features)
+
+
 class MLP(nn.Module):
-  """SwiGLU: ``down(silu(gate(x)) * up(x))``; the backward pass keeps ``gate`` and ``up`` alone."""
+  """SwiGLU: ``down(silu(gate(x)) * up(x))``; the backward pass keeps ``x``, ``gate`` and ``up``.
+
+  The kernels are ``gate_proj``, ``up_proj`` and ``down_proj`` as in a stack of ``Dense``
+  layers; :func:`swiglu_mlp` applies them.
+  """
   config: LlamaConfig
 
   @nn.compact
   def __call__(self, x):
     cfg = self.config
-    gate = checkpoint_name(Dense(cfg.mlp_dim, cfg.dtype, name='gate_proj')(x), 'mlpwi_0')
-    up = checkpoint_name(Dense(cfg.mlp_dim, cfg.dtype, name='up_proj')(x), 'mlpwi_1')
-    return checkpoint_name(SwiGLUDown(cfg.d_model, cfg.dtype, name='down_proj')(gate, up), 'mlpwo')
+    d = x.shape[-1]
+    wg = DenseKernel(cfg.mlp_dim, cfg.dtype, name='gate_proj')(d)
+    wu = DenseKernel(cfg.mlp_dim, cfg.dtype, name='up_proj')(d)
+    wd = DenseKernel(cfg.d_model, cfg.dtype, name='down_proj')(cfg.mlp_dim)
+    return checkpoint_name(swiglu_mlp(x.astype(cfg.dtype), wg, wu, wd), 'mlpwo')
 
 
 class Block(nn.Module):

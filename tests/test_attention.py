@@ -85,6 +85,45 @@ def test_blockwise_dropout_matches_dense(t, h, hkv, bq, bk, causal):
   assert float(jnp.max(jnp.abs(got[0] - other))) > 0.1
 
 
+def _reference(causal, rate, key, segs):
+  """Softmax attention written out, differentiated by JAX: the dense path's values and masks."""
+  from models.layers import bernoulli
+
+  def f(q, k, v):
+    b, t, h, d = q.shape
+    rep = h // k.shape[2]
+    k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+    s = jnp.einsum('bqhd,bkhd->bhqk', q, k) / math.sqrt(d)
+    valid = jnp.ones((t, t), bool)
+    if causal:
+      valid = jnp.tril(valid)
+    valid = valid[None, None]
+    if segs is not None:
+      valid = valid & (segs[:, :, None] == segs[:, None, :])[:, None]
+    p = jax.nn.softmax(jnp.where(valid, s, jnp.finfo(s.dtype).min), axis=-1)
+    if rate:
+      p = jnp.where(bernoulli(key, 1.0 - rate, p.shape), p / (1.0 - rate), 0.0)
+    return jnp.einsum('bhqk,bkhd->bqhd', p, v)
+  return f
+
+
+# T = 150: two whole chunks of BACKWARD_ROWS (64) query rows and a remainder of 22.
+@pytest.mark.parametrize('causal,rate,packed', [
+    (True, 0.0, False), (False, 0.3, False), (True, 0.3, True),
+    pytest.param(False, 0.0, True, marks=pytest.mark.slow)])
+def test_dense_backward_over_row_chunks_matches_autodiff(causal, rate, packed):
+  assert attn.BACKWARD_ROWS == 64
+  t = 150
+  q, k, v, w = _qkvw(2, t, 4, 2)
+  segs = jnp.asarray(np.repeat([[0] * 70 + [1] * 50 + [2] * 30], 2, axis=0)) if packed else None
+  dense = lambda q, k, v: attention(q, k, v, causal=causal, dropout_rate=rate, deterministic=False,
+                                    rng=KEY, implementation='dense', segment_ids=segs)
+  got = _value_and_grads(dense, q, k, v, w)
+  want = _value_and_grads(_reference(causal, rate, KEY, segs), q, k, v, w)
+  assert_trees_close(got[0], want[0])
+  assert_trees_close(got[1], want[1])
+
+
 def test_blockwise_dropout_fallback_is_consistent(monkeypatch):
   # Where the dense mask's 32-bit counters do not reach (> 2**32 elements), each block pair
   # draws from its own folded key. The gradient must use the very masks of the forward pass:

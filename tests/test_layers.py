@@ -54,6 +54,21 @@ def test_gelu_dense_rule(approximate):
 
 
 @pytest.mark.parametrize('approximate', [True, False])
+def test_gelu_dense_backward_over_row_chunks(approximate):
+  # 4 x 96 = 384 rows: three chunks of BACKWARD_ROWS (128); the gradients sum over them.
+  from models.layers import BACKWARD_ROWS, row_chunks
+  assert BACKWARD_ROWS == 128 and row_chunks(384) == 3 and row_chunks(1576) == 8
+  h = _normal(4, 96, 16, scale=2.0)
+  ours = GeluDense(8, approximate)
+  plain = lambda v, h: nn.Dense(8).apply(v, jax.nn.gelu(h, approximate=approximate))
+  variables = jax.tree_util.tree_map(lambda p: p + _normal(*p.shape),
+                                     ours.init(jax.random.PRNGKey(0), h))
+  loss = lambda f: lambda v, h: jnp.sum(jnp.sin(f(v, h)))
+  _close(jax.grad(loss(ours.apply), argnums=(0, 1))(variables, h),
+         jax.grad(loss(plain), argnums=(0, 1))(variables, h))
+
+
+@pytest.mark.parametrize('approximate', [True, False])
 def test_gelu_slope(approximate):
   x = jnp.linspace(-6, 6, 257, dtype=jnp.float32)
   _close(gelu_slope(x, approximate),

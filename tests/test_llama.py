@@ -97,6 +97,32 @@ def test_swiglu_down_rule():
   assert len(wide(ours.apply)) == 2 and len(wide(plain)) == 6, (wide(ours.apply), wide(plain))
 
 
+def test_swiglu_mlp_rule():
+  """The MLP's custom VJP (a backward pass over chunks of 128 rows; 4 x 96 = 384 rows here,
+  three chunks): the Dense layers' kernels, their values, gradients within rounding, and the
+  backward pass keeps gate and up alone of the [.., F] arrays."""
+  from models.llama import MLP, LlamaConfig
+  from remat.residuals import saved_residuals
+  cfg = LlamaConfig(d_model=16, num_heads=2, num_kv_heads=1, mlp_dim=24)
+  x = jnp.asarray(np.random.default_rng(1).normal(size=(4, 96, 16)), jnp.float32)
+  ours = MLP(cfg)
+  variables = ours.init(jax.random.PRNGKey(0), x)
+  shapes = jax.tree_util.tree_map(jnp.shape, variables['params'])
+  assert shapes == {'gate_proj': {'kernel': (16, 24)}, 'up_proj': {'kernel': (16, 24)},
+                    'down_proj': {'kernel': (24, 16)}}
+  variables = jax.tree_util.tree_map(lambda p: p * 20.0, variables)   # unit-scale activations
+  def plain(v, x):
+    p = v['params']
+    gate, up = x @ p['gate_proj']['kernel'], x @ p['up_proj']['kernel']
+    return (jax.nn.silu(gate) * up) @ p['down_proj']['kernel']
+  np.testing.assert_allclose(ours.apply(variables, x), plain(variables, x), rtol=1e-6, atol=1e-6)
+  loss = lambda f: lambda v, x: jnp.sum(jnp.sin(f(v, x)))
+  assert_trees_close(jax.grad(loss(ours.apply), argnums=(0, 1))(variables, x),
+                     jax.grad(loss(plain), argnums=(0, 1))(variables, x))
+  wide = [r for r in saved_residuals(loss(ours.apply), variables, x) if r.shape[-1] == 24]
+  assert len(wide) == 2, wide
+
+
 def test_no_remat_keeps_only_gate_and_up_in_the_mlp():
   """In the whole model, without remat: two [B, T, F] arrays per layer, the tagged gate and up."""
   from remat.residuals import saved_residuals

@@ -31,11 +31,11 @@ def _remat_count(config, spec, params, x):
 
 def test_remat_applied_only_when_asked(small_config, small_params, windows):
   x = windows[:, :-1]
-  # Under `none` the checkpoints are the GELU rule's inside the scanned block
-  # (models.layers.gelu_dense rebuilds gelu(h) from h) and the stack's lean rule around the
-  # layer (remat/layout.py: elementwise values rebuilt, nothing expensive recomputed).
-  assert _remat_count(small_config, 'none', small_params, x) == 2
-  assert _remat_count(small_config, 'full', small_params, x) > 1
+  # Under `none` the one checkpoint is the stack's lean rule around the layer (remat/layout.py:
+  # elementwise values rebuilt, nothing expensive recomputed); models.layers.gelu_dense, a
+  # custom VJP, rebuilds gelu(h) from h in its own backward pass, without a checkpoint.
+  assert _remat_count(small_config, 'none', small_params, x) == 1
+  assert _remat_count(small_config, 'full', small_params, x) >= 1
   assert _remat_count(small_config, 'sqrt', small_params, x) > 1
 
 
