@@ -315,7 +315,9 @@ def analyse(plan: Plan, memory: MemoryStats, spec: str, target: str,
       if key is not None:
         param_dims.add(key[1])
 
-  def classify(v: Value) -> tuple[str, str | None, str]:
+  def classify(v: Value, held_until: int = -1) -> tuple[str, str | None, str]:
+    """``held_until``: the end of the stretch of ``v``'s bytes it belongs to (a value written in a
+    loop's body is carried on in the same bytes, as the stacked residual, into the backward)."""
     alloc = kinds[v.allocation]
     ph = phase(v)
     if alloc.kind == 'parameter':
@@ -324,7 +326,7 @@ def analyse(plan: Plan, memory: MemoryStats, spec: str, target: str,
       return INPUTS, None, ph
     key = _shape_key(v.shape)
     like_param = key is not None and _param_like(key[1], param_dims)
-    if ph == 'forward' and bwd is not None and v.end >= bwd.start:
+    if ph == 'forward' and bwd is not None and max(v.end, held_until) >= bwd.start:
       tags = _tags_of(key, by_tag)
       if tags == {'(not in the jaxpr)'} and like_param:   # e.g. a flipped conv kernel
         return SAVED, '(a copy of a parameter)', ph
@@ -345,7 +347,7 @@ def analyse(plan: Plan, memory: MemoryStats, spec: str, target: str,
     if not at:
       continue
     v = max(at, key=lambda v: (v.size, v.start))
-    cat, tag, ph = classify(v)
+    cat, tag, ph = classify(v, e)
     categories[cat] += b
     if cat == SAVED:
       saved[tag] += b
@@ -362,7 +364,7 @@ def analyse(plan: Plan, memory: MemoryStats, spec: str, target: str,
   if bwd is not None:
     for s, e, b, vs in merged:
       at = [v for v in vs if v.start <= bwd.start <= v.end]
-      if at and classify(max(at, key=lambda v: (v.size, v.start)))[0] == SAVED:
+      if at and classify(max(at, key=lambda v: (v.size, v.start)), e)[0] == SAVED:
         saved_at_start += b
   return Explanation(spec, target, memory, tuple(int(x) for x in device),
                      tuple(int(x) for x in host), phases, loops, peak,

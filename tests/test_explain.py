@@ -229,3 +229,24 @@ def test_per_device_plan_on_a_mesh():
   run = subprocess.run([sys.executable, '-c', _MESH_SCRIPT], cwd=root, env=env,
                        capture_output=True, text=True, timeout=300)
   assert run.returncode == 0 and run.stdout.strip() == 'ok', run.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_forward_peak_counts_the_residuals_being_stacked():
+  """GPT-2 small at 8 x 1024 under none peaks in the forward scan (one layer's [B, H, T, T]
+  attention buffers on top of the residuals stacked so far): the stacked buffers the forward
+  loop writes, which the backward reads, are "saved for backward" there too."""
+  from bench import zoo
+  from configs import load_config
+  case = zoo.case(load_config('gpt2-small').model, 8, 1024)
+  e = remat.explain(case.train_step, *case.step_args(), policy='none')
+  _check_plan(e)
+  assert e.phase_at(e.peak_time) == 'forward'
+  n = case.num_layers
+  stacked = sum(r.nbytes for r in remat.measuring.step_residuals(
+      case.train_step(case.policy('none')), *case.step_args()) if r.shape[:1] == (n,))
+  # Every stacked residual buffer is allocated whole while the forward loop fills it.
+  assert stacked <= e.categories[SAVED] <= e.jaxpr_residual_bytes + e.saved_by_tag.get(
+      '(not in the jaxpr)', 0) + e.saved_by_tag.get('(a copy of a parameter)', 0)
+  assert not any(b.category != SAVED and b.shape.startswith(f'f32[{n},') and b.size > 2**20
+                 and b.op.startswith('jvp(') for b in e.buffers), e.buffers[:12]
