@@ -151,6 +151,7 @@ def _inject_nan_at(monkeypatch, bad_steps):
       if int(state.step) + 1 in bad_steps:  # what the guard returns for a non-finite step
         return state.replace(step=state.step + 1), jnp.array([jnp.nan, jnp.inf])
       return step_fn(state, batch)
+    injected.memory_analysis = step_fn.memory_analysis   # the run records the compiled plan
     return injected
   monkeypatch.setattr(st, 'compile_train_step', compile_train_step)
 

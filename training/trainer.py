@@ -97,10 +97,7 @@ def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
   auto_choice = None
   if policy is None:
     from training.autoremat import choose_for_run
-    # The batch _train_locked compiles with: packed text adds segment ids and positions.
-    batch = None if task.is_vision else jax.tree_util.tree_map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), data[1][0])
-    auto_choice = choose_for_run(cfg, named, task, size, log, place, batch)
+    auto_choice = choose_for_run(cfg, named, task, size, log, place, _data_batch(task, data[1]))
     policy = get_policy(auto_choice.spec, num_layers=task.num_layers)
   try:
     out.mkdir(parents=True, exist_ok=True)
@@ -194,9 +191,8 @@ def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
 
   model = task.model(policy)
   tx = st.make_optimizer(cfg.lr, cfg.steps, cfg.warmup_steps, cfg.weight_decay, cfg.grad_clip)
-  state_shape, batch_shape = st.abstract_inputs(model, tx, cfg.batch_size, size, cfg.seed)
-  if not task.is_vision:  # the data's own batch format (packed windows are a dict; autoremat too)
-    batch_shape = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), val[0])
+  state_shape, task_batch = st.abstract_inputs(model, tx, cfg.batch_size, size, cfg.seed)
+  batch_shape = task_batch if task.is_vision else _data_batch(task, val)
   # Restore before compiling: a folder without an intact checkpoint, or one already at
   # --steps, is reported in seconds rather than after the compile.
   saved = {}
@@ -230,9 +226,7 @@ def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
   meta = {'config': named.name, 'arch': named.arch, 'model': dataclasses.asdict(named.model),
           'policy': policy.spec, 'data': data_meta,
           **({'auto': auto_choice.to_json()} if auto_choice else {}),
-          # The step this run compiled (a test may hand in a plain function instead).
-          **({'memory': dataclasses.asdict(compiled_memory(step_fn))}
-             if hasattr(step_fn, 'memory_analysis') else {}),
+          'memory': dataclasses.asdict(compiled_memory(step_fn)),   # the step this run compiled
           'train': {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_RECORDED},
           **({'changes': changes} if changes else {})}
   uniform = math.log(task.config.num_classes if task.is_vision else task.config.vocab_size)
@@ -383,6 +377,15 @@ def _diverged(step: int, loss: float, grad_norm: float, cfg) -> str:
              if cfg.skip_nonfinite else '')
   return (f'diverged at step {step}: loss {loss:g}, gradient norm {grad_norm:g}{skipped}; '
           'stopped without saving')
+
+
+def _data_batch(task: Task, val):
+  """The abstract batch of the run's text data (packed windows are a dict with segment ids and
+  positions), which the step is compiled and ``--remat=auto`` plans with; None for vision, whose
+  batch is the task's own."""
+  if task.is_vision:
+    return None
+  return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), val[0])
 
 
 def _data(cfg: TrainConfig, task: Task, size: int, log, place: meshlib.Placement):
