@@ -25,7 +25,7 @@ from training import rundir
 from training import steps as st
 from training.guard import GuardConfig, LossGuard
 from training.run_config import (  # noqa: F401  (the run's settings, re-exported for callers)
-    NUMERICS_FIELDS, DivergedError, RunError, TrainConfig, default_config, matching_config,
+    DivergedError, RunError, TrainConfig, default_config, matching_config,
     resolve)
 from training.tasks import Task
 from training.text_source import HF_CONFIG_PREFIX, open_text, save_tokenizer, tokenizer_for_run
