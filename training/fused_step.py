@@ -1,0 +1,159 @@
+"""A train step with the optimizer applied per layer in the backward pass (:func:`remat.fused_update`).
+
+Our models (GPT-2, Llama, ViT) run their blocks through one :class:`remat.LayerStack`.
+The step cuts a model's loss there without model-specific code: a Flax method
+interceptor stops the forward pass at the stack's call (the embeddings: ``pre``)
+or hands it the stack's output (final norm, head and loss: ``post``); the
+blocks run as ``layer`` with the stack's extra call arguments (segment ids,
+RoPE tables) as the model passed them.
+
+Semantics (docs/policies.md, "Fused update"): the loss and gradients are the
+ordinary step's. AdamW is elementwise, so each layer's update is the ordinary
+one; the global-norm clip of :func:`training.steps.make_optimizer` becomes a
+clip of each layer's gradient by its own norm (and of the parameters outside
+the stack by theirs). Deterministic models only: a block's dropout key would
+have to come from the stack.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+import remat
+from training.steps import TrainState, _task
+
+
+class FusedStepError(ValueError):
+  """A model the fused step cannot cut at its layer stack; one line."""
+
+
+class _AtStack(Exception):
+  def __init__(self, module, x, args):
+    super().__init__('stopped at the layer stack')
+    self.module, self.x, self.args = module, x, args
+
+
+def _stop_at_stack(next_fun, args, kwargs, context):
+  if isinstance(context.module, remat.LayerStack) and context.method_name == '__call__':
+    if context.module.pattern is not None or kwargs.get('xs') is not None:
+      raise FusedStepError('the fused update takes a stack of one block kind with no per-layer '
+                           'inputs')
+    raise _AtStack(context.module, args[0], args[1:])
+  return next_fun(*args, **kwargs)
+
+
+def _check_model(model: nn.Module) -> None:
+  cfg = model.config
+  if any(getattr(cfg, f, 0) for f in ('dropout', 'attention_dropout', 'embed_dropout')):
+    raise FusedStepError(f'the fused update runs deterministic models only; {type(model).__name__}'
+                         "'s config has dropout (set it to 0)")
+
+
+def _at_stack(task, model, params, model_state, batch) -> _AtStack:
+  """Runs the loss up to the stack's call (no further)."""
+  try:
+    with nn.intercept_methods(_stop_at_stack):
+      task.loss(model, params, model_state, batch)
+  except _AtStack as stop:
+    return stop
+  raise FusedStepError(f'{type(model).__name__} runs no remat.LayerStack in its loss')
+
+
+def stack_path(model: nn.Module, params, batch, model_state=None) -> tuple[str, ...]:
+  """Where the model's stacked block variables are: ``params[path]['block']``."""
+  _check_model(model)
+  task = _task(model)
+  found = {}
+
+  def probe(p):
+    found['path'] = tuple(_at_stack(task, model, p, model_state or {}, batch).module.scope.path)
+    return 0
+  jax.eval_shape(probe, params)
+  return found['path']
+
+
+def split_params(params, path: tuple[str, ...]):
+  """``params -> (outer, stacked)``: the stack's ``block`` subtree and everything else."""
+  node = params
+  for key in path:
+    node = node[key]
+  stacked = node['block']
+  outer = _drop(params, path)
+  return outer, stacked
+
+
+def _drop(tree, path):
+  key, rest = path[0], path[1:]
+  child = tree[key]
+  child = {k: v for k, v in child.items() if k != 'block'} if not rest else _drop(child, rest)
+  out = dict(tree)
+  if child:
+    out[key] = child
+  else:
+    del out[key]
+  return out
+
+
+def join_params(outer, stacked, path: tuple[str, ...]):
+  """The inverse of :func:`split_params`."""
+  out = dict(outer)
+  node = out
+  for key in path:
+    node[key] = dict(node.get(key, {}))
+    node = node[key]
+  node['block'] = stacked
+  return out
+
+
+def init_fused_state(model: nn.Module, tx: optax.GradientTransformation, params, path,
+                     model_state=None) -> TrainState:
+  """A train state whose optimizer state is ``(tx.init(outer), tx.init(stacked))``."""
+  outer, stacked = split_params(params, path)
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state or {},
+                    opt_state=(tx.init(outer), tx.init(stacked)))
+
+
+def make_fused_train_step(model: nn.Module, tx: optax.GradientTransformation, path):
+  """Returns ``step(state, batch) -> (state, loss)`` with ``tx`` applied layer by layer.
+
+  ``state.opt_state`` is :func:`init_fused_state`'s. The stack runs under the
+  model's own policy (``model.policy``).
+  """
+  _check_model(model)
+  task = _task(model)
+
+  def train_step(state: TrainState, batch):
+    outer, stacked = split_params(state.params, path)
+    # The stack's arguments, found once outside any derivative (they do not depend on params).
+    args = _at_stack(task, model, state.params, state.model_state, batch).args
+    block = None
+
+    def pre(o):
+      nonlocal block
+      stop = _at_stack(task, model, join_params(o, stacked, path), state.model_state, batch)
+      block = stop.module.block_cls(**dict(stop.module.block_kwargs))
+      return stop.x
+
+    def layer(p, x):
+      rng = {'rng': None} if 'rng' in inspect.signature(type(block).__call__).parameters else {}
+      out = block.apply({'params': p}, x, *args, **rng)
+      return out[0] if isinstance(out, tuple) else out
+
+    def post(o, y):
+      def give(next_fun, a, kw, context):
+        if isinstance(context.module, remat.LayerStack) and context.method_name == '__call__':
+          return y
+        return next_fun(*a, **kw)
+      with nn.intercept_methods(give):
+        return task.loss(model, join_params(o, stacked, path), state.model_state, batch)[0]
+
+    fused = remat.fused_update(pre, layer, post, tx, policy=model.policy)
+    outer, stacked, opt_state, loss = fused.step(outer, stacked, state.opt_state)
+    return TrainState(step=state.step + 1, params=join_params(outer, stacked, path),
+                      model_state=state.model_state, opt_state=opt_state), loss
+  return train_step
