@@ -5,18 +5,19 @@ once: the backward scan writes them into one ``[N, ...]`` buffer per parameter
 that XLA allocates before the loop, while the stacked activations saved for
 backward are freed only after it. That buffer is the size of the stack's
 parameters (a float32 ViT-B/16: 328 MiB). :func:`fused_update` instead runs the
-stack's backward as its own reverse loop and, as each layer's (or segment's)
-gradient is ready, applies the optimizer to that layer's parameters and
-optimizer state in place, so at most one layer's gradient exists at a time.
+stack's backward as its own reverse loop and, as each layer's gradient is
+ready, applies the optimizer to that layer's parameters and optimizer state in
+place, so at most one layer's gradient exists at a time. Under a segmented
+policy the backward loop reruns each segment from its saved input and then
+runs that segment's layers backward the same way.
 
-Semantics. ``tx`` is applied to each unit (a layer, or a segment under a
-segmented policy) as if that unit's parameters were the whole model, and once
-more to the parameters outside the stack. For elementwise transformations
+Semantics. ``tx`` is applied to each layer as if that layer's parameters were
+the whole model, and once more to the parameters outside the stack. For elementwise transformations
 (``optax.adamw``, ``adam``, ``sgd`` with momentum, ``lion``, weight decay,
 schedules) that is exactly the update of the ordinary step. A transformation
 that reads all gradients at once does not see them all:
-``optax.clip_by_global_norm`` inside ``tx`` clips each unit's gradient by that
-unit's own norm (and the outer parameters' by theirs), so the update differs
+``optax.clip_by_global_norm`` inside ``tx`` clips each layer's gradient by that
+layer's own norm (and the outer parameters' by theirs), so the update differs
 from a whole-model clip whenever a norm exceeds the threshold. The loss and
 gradients are those of the ordinary step; only their use differs.
 
@@ -57,8 +58,8 @@ class FusedUpdate(NamedTuple):
   step: Callable[..., tuple]
 
 
-def _units(num_layers: int, policy: Policy) -> list[tuple[int, int, int]]:
-  """(first layer, units, layers per unit) runs: per-layer, or segments and a shorter last one."""
+def _runs(num_layers: int, policy: Policy) -> list[tuple[int, int, int]]:
+  """(first layer, segments, layers per segment) runs; one run of N one-layer parts if unsegmented."""
   size = policy.segment_size(num_layers)
   if size is None:
     return [(0, num_layers, 1)]
@@ -69,32 +70,20 @@ def _units(num_layers: int, policy: Policy) -> list[tuple[int, int, int]]:
   return runs
 
 
-def _unit_fn(layer_fn: Callable, size: int, policy: Policy) -> Callable:
-  """``unit(params, x) -> x`` under ``policy``: one layer, or a segment of ``size`` layers."""
-  rule = policy._layer_policy() or lean_saveable   # `none` is the stack's lean none
-  one = jax.checkpoint(layer_fn, policy=rule, prevent_cse=False)  # inside scans only
-  if not policy.segmented:
-    return one
-
-  def segment(params, x):
-    return jax.lax.scan(lambda h, p: (one(p, h), None), x, params)[0]
-  return jax.checkpoint(segment, policy=_nothing, prevent_cse=False)
-
-
-def _slice(tree, start, size: int, squeeze: bool):
-  if squeeze:
+def _slice(tree, start, size: int | None):
+  """Layer ``start`` (``size`` None: the leading axis dropped) or layers ``start:start+size``."""
+  if size is None:
     return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, start, 0, False), tree)
   return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, size), tree)
 
 
-def _write(tree, part, start, squeeze: bool):
-  put = (lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b, start, 0)) if squeeze else (
-      lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, start, 0))
-  return jax.tree_util.tree_map(put, tree, part)
+def _write(tree, part, start):
+  return jax.tree_util.tree_map(lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b, start, 0),
+                                tree, part)
 
 
 def _split_state(opt_state, num_layers: int):
-  """Optimizer-state leaves -> (per-layer leaves [N, ...], shared scalars), or a one-line error."""
+  """Optimizer-state leaves, their treedef, and which are per layer ([N, ...]) vs shared scalars."""
   leaves, treedef = jax.tree_util.tree_flatten(opt_state)
   for leaf in leaves:
     shape = jnp.shape(leaf)
@@ -103,8 +92,7 @@ def _split_state(opt_state, num_layers: int):
           f'fused_update: an optimizer-state leaf of shape {tuple(shape)} is neither per layer '
           f'([{num_layers}, ...], like the stacked parameters) nor a scalar; use an elementwise '
           'optax transformation (adamw, adam, sgd, lion)')
-  per_layer = [bool(jnp.shape(leaf)) for leaf in leaves]
-  return leaves, treedef, per_layer
+  return leaves, treedef, [bool(jnp.shape(leaf)) for leaf in leaves]
 
 
 def fused_update(pre_fn: Callable, layer_fn: Callable, post_fn: Callable,
@@ -125,7 +113,7 @@ def fused_update(pre_fn: Callable, layer_fn: Callable, post_fn: Callable,
     layer_fn: ``layer_fn(layer_params, x) -> x`` (the :func:`remat.scan_layers`
       convention; close over constants).
     post_fn: ``post_fn(outer, x, *batch) -> scalar loss``.
-    tx: the optimizer; see the module docstring for what a per-unit update means.
+    tx: the optimizer; see the module docstring for what a per-layer update means.
     policy: a spec or :class:`Policy` for the stack (not a mix).
 
   Returns:
@@ -157,20 +145,28 @@ def fused_update(pre_fn: Callable, layer_fn: Callable, post_fn: Callable,
         out.append(next(it) if p else next(sh))
       return jax.tree_util.tree_unflatten(treedef, out)
 
+    rule = policy._layer_policy() or lean_saveable   # `none` is the stack's lean none
+    one = jax.checkpoint(layer_fn, policy=rule, prevent_cse=False)  # inside scans only
+    update = _Update(tx, unit_state, per_layer)
     x, pre_vjp = jax.vjp(lambda o: pre_fn(o, *batch), outer)
-    runs = [(start, count, size, _unit_fn(layer_fn, size, policy))
-            for start, count, size in _units(num_layers, policy)]
+    runs = _runs(num_layers, policy)
     saved = []
-    for start, count, size, unit in runs:
-      x, residuals, layout = _forward(unit, stacked, x, start, count, size, policy.segmented)
-      saved.append((residuals, layout))
+    for first, count, size in runs:
+      if policy.segmented:   # keep each segment's input; the backward pass reruns the segment
+        x, inputs = _segments_forward(layer_fn, stacked, x, first, count, size)
+        saved.append((inputs, None))
+      else:
+        x, residuals, layout = _layers_forward(one, stacked, x, first, count)
+        saved.append((residuals, layout))
     loss, post_vjp = jax.vjp(lambda o, y: post_fn(o, y, *batch), outer, x)
     d_outer, dx = post_vjp(jnp.ones_like(loss))
-    new_shared = shared
-    for (start, count, size, unit), (residuals, layout) in reversed(list(zip(runs, saved))):
-      dx, stacked, layered, new_shared = _backward(
-          tx, unit_state, per_layer, dx, stacked, layered, residuals, layout, start, count, size,
-          policy.segmented, shared)
+    carry = (dx, stacked, layered, list(shared))
+    for (first, count, size), (kept, layout) in reversed(list(zip(runs, saved))):
+      if policy.segmented:
+        carry = _segments_backward(one, update, carry, kept, first, count, size)
+      else:
+        carry = _layers_backward(update, carry, kept, layout, first, count)
+    dx, stacked, layered, new_shared = carry
     (d_pre,) = pre_vjp(dx)
     d_outer = jax.tree_util.tree_map(jnp.add, d_outer, d_pre)
     updates, outer_state = tx.update(d_outer, outer_state, outer)
@@ -191,18 +187,42 @@ def _num_layers(stacked) -> int:
   return sizes.pop()
 
 
-def _forward(unit, stacked, x, start: int, count: int, size: int, segmented: bool):
-  """Runs ``count`` units forward; returns ``(x, stacked residuals, layout)``.
+class _Update:
+  """``tx`` on one layer: its gradient, parameters and slice of the optimizer state."""
 
-  A unit's VJP is a pytree whose leaves are its residuals. Leaves that are the
-  unit's own parameters are not stacked again (they are read back from the
-  parameters in the backward pass); ``layout`` records where each leaf comes from.
+  def __init__(self, tx, unit_state, per_layer):
+    self.tx, self.unit_state, self.per_layer = tx, unit_state, per_layer
+
+  def __call__(self, grads, params, layered_all, index):
+    state = self.unit_state(_slice(layered_all, index, None))
+
+    def run(c, _):
+      updates, new_state = self.tx.update(grads, state, params)
+      return c, (optax.apply_updates(params, updates), new_state)
+    # A one-iteration loop, so the layer's new values exist before any stacked buffer is
+    # written: fused into the writes, they read slices of buffers that other writes change,
+    # and XLA then copies whole [N, ...] buffers each iteration (measured on CPU: +523 MiB for
+    # ViT-B/16). The CPU options keep such loops; elsewhere XLA inlines it, and the H200 plan
+    # was measured the same with and without it.
+    _, out = jax.lax.scan(run, None, None, length=1)
+    new_params, new_state = jax.tree_util.tree_map(lambda a: a[0], out)
+    leaves = jax.tree_util.tree_leaves(new_state)
+    return (new_params, [a for a, p in zip(leaves, self.per_layer) if p],
+            [a for a, p in zip(leaves, self.per_layer) if not p])
+
+
+def _layers_forward(one, stacked, x, first, count: int):
+  """Runs layers ``first .. first+count-1``; returns ``(x, stacked residuals, layout)``.
+
+  A layer's VJP is a pytree whose leaves are its residuals. Leaves that are the
+  layer's own parameters are not stacked again (the backward pass reads them
+  from the parameters); ``layout`` records where each leaf comes from.
   """
   layout = {}
 
-  def body(h, u):
-    params = _slice(stacked, start + u * size, size, squeeze=not segmented)
-    y, vjp_fn = jax.vjp(unit, params, h)
+  def body(h, i):
+    params = _slice(stacked, first + i, None)
+    y, vjp_fn = jax.vjp(one, params, h)
     leaves, layout['treedef'] = jax.tree_util.tree_flatten(vjp_fn)
     own = {id(p): j for j, p in enumerate(jax.tree_util.tree_leaves(params))}
     kept, where = [], []
@@ -219,37 +239,43 @@ def _forward(unit, stacked, x, start: int, count: int, size: int, segmented: boo
   return x, residuals, layout
 
 
-def _backward(tx, unit_state, per_layer, dx, stacked, layered, residuals, layout, start: int, count: int,
-              size: int, segmented: bool, shared):
-  """Reverse loop over ``count`` units: VJP, then ``tx`` on the unit's parameters and state."""
-  squeeze = not segmented
+def _layers_backward(update, carry, residuals, layout, first, count: int):
+  """Reverse loop over layers ``first+count-1 .. first``: VJP, then the update of the layer."""
 
   def body(carry, inp):
     dy, params_all, layered_all, _ = carry
-    u, kept = inp
-    first = start + u * size
-    params = _slice(params_all, first, size, squeeze)
+    i, kept = inp
+    index = first + i
+    params = _slice(params_all, index, None)
     own = jax.tree_util.tree_leaves(params)
     leaves = [own[j] if is_param else kept[j] for is_param, j in layout['where']]
     grads, dx = jax.tree_util.tree_unflatten(layout['treedef'], leaves)(dy)
-    state = unit_state(_slice(layered_all, first, size, squeeze))
+    new_params, new_layered, new_shared = update(grads, params, layered_all, index)
+    return (dx, _write(params_all, new_params, index), _write(layered_all, new_layered, index),
+            new_shared), None
 
-    def update(c, _):
-      updates, new_state = tx.update(grads, state, params)
-      return c, (optax.apply_updates(params, updates), new_state)
-    # A one-iteration loop, so the layer's new values exist before any stacked buffer is
-    # written: fused into the writes, they read slices of buffers that other writes change,
-    # and XLA then copies whole [N, ...] buffers each iteration (measured on CPU: +523 MiB for
-    # ViT-B/16). The CPU options keep such loops; elsewhere XLA inlines it, where it was not needed.
-    _, (new_params, new_state) = jax.lax.scan(update, None, None, length=1)
-    new_params, new_state = jax.tree_util.tree_map(lambda a: a[0], (new_params, new_state))
-    state_leaves = jax.tree_util.tree_leaves(new_state)
-    new_layered = [a for a, p in zip(state_leaves, per_layer) if p]
-    new_shared = [a for a, p in zip(state_leaves, per_layer) if not p]
-    return (dx, _write(params_all, new_params, first, squeeze),
-            _write(layered_all, new_layered, first, squeeze), new_shared), None
+  carry, _ = jax.lax.scan(body, carry, (jnp.arange(count), residuals), reverse=True)
+  return carry
 
-  carry = (dx, stacked, layered, list(shared))
-  (dx, stacked, layered, new_shared), _ = jax.lax.scan(
-      body, carry, (jnp.arange(count), residuals), reverse=True)
-  return dx, stacked, layered, new_shared
+
+def _segments_forward(layer_fn, stacked, x, first: int, count: int, size: int):
+  """Runs ``count`` segments of ``size`` layers, keeping only each segment's input."""
+
+  def segment(h, s):
+    params = _slice(stacked, first + s * size, size)
+    return jax.lax.scan(lambda c, p: (layer_fn(p, c), None), h, params)[0], h
+
+  return jax.lax.scan(segment, x, jnp.arange(count))
+
+
+def _segments_backward(one, update, carry, inputs, first: int, count: int, size: int):
+  """Reverse loop over segments: rerun a segment from its input, then its layers' backward."""
+
+  def body(carry, inp):
+    s, x = inp
+    start = first + s * size
+    _, residuals, layout = _layers_forward(one, carry[1], x, start, size)
+    return _layers_backward(update, carry, residuals, layout, start, size), None
+
+  carry, _ = jax.lax.scan(body, carry, (jnp.arange(count), inputs), reverse=True)
+  return carry

@@ -70,10 +70,10 @@ def stack_path(model: nn.Module, params, batch, model_state=None) -> tuple[str, 
   task = _task(model)
   found = {}
 
-  def probe(p):
-    found['path'] = tuple(_at_stack(task, model, p, model_state or {}, batch).module.scope.path)
+  def probe(p, b):
+    found['path'] = tuple(_at_stack(task, model, p, model_state or {}, b).module.scope.path)
     return 0
-  jax.eval_shape(probe, params)
+  jax.eval_shape(probe, params, batch)   # params and batch may be abstract
   return found['path']
 
 
