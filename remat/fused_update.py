@@ -193,10 +193,11 @@ class _Update:
   def __init__(self, tx, unit_state, per_layer):
     self.tx, self.unit_state, self.per_layer = tx, unit_state, per_layer
 
-  def __call__(self, grads, params, layered_all, index):
-    state = self.unit_state(_slice(layered_all, index, None))
-
+  def __call__(self, grads, params_all, layered_all, index):
     def run(c, _):
+      p_all, l_all = c
+      params = _slice(p_all, index, None)
+      state = self.unit_state(_slice(l_all, index, None))
       updates, new_state = self.tx.update(grads, state, params)
       return c, (optax.apply_updates(params, updates), new_state)
     # A one-iteration loop, so the layer's new values exist before any stacked buffer is
@@ -204,10 +205,10 @@ class _Update:
     # and XLA then copies whole [N, ...] buffers each iteration (measured on CPU: +523 MiB for
     # ViT-B/16). The CPU options keep such loops; elsewhere XLA inlines it, and the H200 plan
     # was measured the same with and without it.
-    _, out = jax.lax.scan(run, None, None, length=1)
+    (params_all, layered_all), out = jax.lax.scan(run, (params_all, layered_all), None, length=1)
     new_params, new_state = jax.tree_util.tree_map(lambda a: a[0], out)
     leaves = jax.tree_util.tree_leaves(new_state)
-    return (new_params, [a for a, p in zip(leaves, self.per_layer) if p],
+    return (params_all, layered_all, new_params, [a for a, p in zip(leaves, self.per_layer) if p],
             [a for a, p in zip(leaves, self.per_layer) if not p])
 
 
@@ -250,7 +251,8 @@ def _layers_backward(update, carry, residuals, layout, first, count: int):
     own = jax.tree_util.tree_leaves(params)
     leaves = [own[j] if is_param else kept[j] for is_param, j in layout['where']]
     grads, dx = jax.tree_util.tree_unflatten(layout['treedef'], leaves)(dy)
-    new_params, new_layered, new_shared = update(grads, params, layered_all, index)
+    params_all, layered_all, new_params, new_layered, new_shared = update(
+        grads, params_all, layered_all, index)
     return (dx, _write(params_all, new_params, index), _write(layered_all, new_layered, index),
             new_shared), None
 
