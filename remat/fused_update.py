@@ -194,19 +194,30 @@ class _Update:
     self.tx, self.unit_state, self.per_layer = tx, unit_state, per_layer
 
   def __call__(self, grads, params_all, layered_all, index):
-    def run(c, _):
-      p_all, l_all = c
+    def new_values(p_all, l_all):
       params = _slice(p_all, index, None)
       state = self.unit_state(_slice(l_all, index, None))
       updates, new_state = self.tx.update(grads, state, params)
-      return c, (optax.apply_updates(params, updates), new_state)
+      return optax.apply_updates(params, updates), new_state
+
     # A one-iteration loop, so the layer's new values exist before any stacked buffer is
     # written: fused into the writes, they read slices of buffers that other writes change,
     # and XLA then copies whole [N, ...] buffers each iteration (measured on CPU: +523 MiB for
-    # ViT-B/16). The CPU options keep such loops; elsewhere XLA inlines it, and the H200 plan
-    # was measured the same with and without it.
-    (params_all, layered_all), out = jax.lax.scan(run, (params_all, layered_all), None, length=1)
-    new_params, new_state = jax.tree_util.tree_map(lambda a: a[0], out)
+    # ViT-B/16). The loop's buffers start as zeros that depend on the gradient, so XLA cannot
+    # allocate them before the layer's backward pass has made it (a constant start was
+    # allocated at the top of the layer's backward: +54 MiB at ViT-B/16's peak). The CPU
+    # options keep such loops; elsewhere XLA inlines it, and the H200 plan was measured the
+    # same with and without it.
+    shapes = jax.eval_shape(new_values, params_all, layered_all)
+    zero = jnp.zeros((), jnp.float32) * jax.tree_util.tree_leaves(grads)[0].ravel()[0].astype(
+        jnp.float32)
+    start = jax.tree_util.tree_map(lambda a: jnp.full(a.shape, zero, a.dtype), shapes)
+
+    def body(c):
+      i, p_all, l_all, _ = c
+      return i + 1, p_all, l_all, new_values(p_all, l_all)
+    _, params_all, layered_all, (new_params, new_state) = jax.lax.while_loop(
+        lambda c: c[0] < 1, body, (jnp.zeros((), jnp.int32), params_all, layered_all, start))
     leaves = jax.tree_util.tree_leaves(new_state)
     return (params_all, layered_all, new_params, [a for a, p in zip(leaves, self.per_layer) if p],
             [a for a, p in zip(leaves, self.per_layer) if not p])
