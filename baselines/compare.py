@@ -146,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
   p = _Parser(prog=f'python -m {PROG}', description=__doc__.splitlines()[0])
   add_model_arguments(p)
   p.add_argument('--steps', type=int, default=3, help='timed steps per row (median)')
+  p.add_argument('--fused-update', action='store_true',
+                 help='JAX side: AdamW applied layer by layer in the backward pass '
+                      '(remat.fused_update), so no whole-stack gradient exists; its global-norm '
+                      'clip becomes a clip per layer. Models without dropout (vit, llama)')
   p.add_argument('--json', metavar='FILE', help='write every figure of both sides and the environment')
   p.add_argument('--plot', metavar='FILE',
                  help='write a PNG: peak memory per family, JAX vs PyTorch, time ratio annotated')
@@ -162,6 +166,7 @@ class Setup:
   size: int                    # JAX size: seq_len L (gpt) or image side S
   families: tuple[str, ...]    # requested, known names, in the order given
   steps: int
+  fused: bool = False          # JAX side runs training.fused_step's step
 
   @property
   def vision(self) -> bool:
@@ -214,7 +219,17 @@ def resolve(args) -> Setup:
     Task(named.model).at_size(size)
   except ValueError as e:
     raise CompareError(str(e)) from None
-  return Setup(args.model, arch, named, args.batch_size, size, families, args.steps)
+  fused = bool(getattr(args, 'fused_update', False))
+  if fused:
+    if arch == 'resnet':
+      raise CompareError('--fused-update cuts a model at its one layer stack; a ResNet has one '
+                         'per stage')
+    drop = {f: getattr(named.model, f) for f in ('dropout', 'attention_dropout', 'embed_dropout')
+            if getattr(named.model, f, 0)}
+    if drop:
+      raise CompareError(f'--fused-update runs models without dropout; {named.name} has '
+                         + ', '.join(f'{k} {v}' for k, v in drop.items()))
+  return Setup(args.model, arch, named, args.batch_size, size, families, args.steps, fused)
 
 
 def load_torch():
@@ -297,7 +312,8 @@ def torch_optimizer(torch_measure) -> dict:
 
 def optimizer_differences(jax_opt: dict, torch_opt: dict) -> list[str]:
   """Names of the settings that differ (the learning rate always does; it changes no figure)."""
-  return [k for k in ('b1', 'b2', 'eps', 'weight_decay', 'grad_clip') if jax_opt[k] != torch_opt[k]]
+  return [k for k in ('b1', 'b2', 'eps', 'weight_decay', 'grad_clip', 'clip')
+          if jax_opt.get(k, 'global') != torch_opt.get(k, 'global')]
 
 
 def environment(setup: Setup) -> dict:
@@ -325,6 +341,7 @@ def environment(setup: Setup) -> dict:
       'host_malloc': host_malloc(),
       'model': setup.model, 'arch': setup.arch, 'config': setup.named.name,
       'batch_size': setup.batch_size, **shape, 'dtype': 'float32', 'steps': setup.steps,
+      'jax_step': 'fused update' if setup.fused else 'ordinary',
   }
 
 
@@ -390,7 +407,7 @@ def compare(setup: Setup, torch_modules, progress=None) -> dict:
     if spec not in jax_runs:
       gc.collect()
       jax_runs[spec] = measure(cfg, spec, setup.batch_size, setup.size, target, run=True,
-                               time_steps=setup.steps)
+                               time_steps=setup.steps, fused=setup.fused)
       if spec == 'none':
         none_flops = jax_runs[spec].flops.flops
     if bar:
@@ -418,6 +435,10 @@ def compare(setup: Setup, torch_modules, progress=None) -> dict:
         'flops_ratio': _ratio(j['step_flops'], t['step_flops']),
     })
   jax_opt, torch_opt = dict(JAX_OPTIMIZER), torch_optimizer(torch_measure)
+  if setup.fused:
+    jax_opt.update(name='optax adamw applied layer by layer in the backward pass '
+                        '(remat.fused_update; clip_by_global_norm of each layer first)',
+                   clip='per layer')
   return {
       'environment': environment(setup),
       'family_policy': {f: FAMILY_POLICY[f] for f in setup.families},

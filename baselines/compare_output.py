@@ -37,7 +37,9 @@ def header(result: dict) -> str:
           f"float32, CPU, one process; jax {env['jax']} ({env['backend']} backend), "
           f"torch {env['torch']} ({env['torch_threads']} threads), "
           f"transformers {env['transformers']}; host malloc {env['host_malloc']}; "
-          f"median of {env['steps']} steps")
+          f"median of {env['steps']} steps"
+          + ('; JAX step: AdamW applied layer by layer in the backward pass (--fused-update)'
+             if env.get('jax_step') == 'fused update' else ''))
 
 
 _COLS = (f"{'family':<11}{'side':<9}{'policy':<12}{'peak':>12}{'activation':>12}{'FLOPs':>11}"
@@ -91,7 +93,8 @@ def footer(result: dict) -> list[str]:
   same = (f"AdamW b1 {t['b1']}, b2 {t['b2']}, eps {t['eps']:g}, weight decay "
           f"{t['weight_decay']}, global-norm clip {t['grad_clip']}")
   if opt['differences']:
-    diff = ', '.join(f"{k} JAX {j[k]} vs torch {t[k]}" for k in opt['differences'])
+    diff = ', '.join(f"{k} JAX {j.get(k, 'global')} vs torch {t.get(k, 'global')}"
+                     for k in opt['differences'])
     lines.append(f'# optimizer: DIFFERENT settings: {diff}; lr JAX {j["lr"]}, torch {t["lr"]}')
   else:
     lines.append(f"# optimizer: both {same}; only lr differs (JAX {j['lr']}, torch {t['lr']}), "

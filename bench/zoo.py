@@ -22,6 +22,7 @@ from remat import measuring
 from remat.measuring import Measurement, TrainStep
 from remat.memory import MemoryStats
 from remat.targets import Target
+from training import fused_step
 from training import steps as st
 from training.autoremat import source_hash
 from training.tasks import Task
@@ -132,6 +133,29 @@ class Case:
     return TrainStep(st.make_train_step(model, tx, 0), _loss(self.task, model),
                      lambda state, batch: (state.params, (state.model_state, batch)))
 
+  def fused_step_args(self):
+    """Abstract ``(state, batch)`` of the fused step (:mod:`training.fused_step`)."""
+    model, tx = self.task.model('none'), _optimizer()
+    state, batch = self.step_args()
+    path = fused_step.stack_path(model, state.params, batch)
+    return jax.eval_shape(lambda p: fused_step.init_fused_state(model, tx, p, path),
+                          state.params), batch
+
+  def real_fused_step_args(self):
+    """The initial fused train state and an all-zero batch, allocated (for timing)."""
+    model, tx = self.task.model('none'), _optimizer()
+    state, batch = self.real_step_args()
+    path = fused_step.stack_path(model, state.params, batch)
+    return fused_step.init_fused_state(model, tx, state.params, path), batch
+
+  def fused_train_step(self, policy: Policy) -> TrainStep:
+    """The train step with AdamW applied layer by layer in the backward pass (clip per layer)."""
+    model, tx = self.task.model(policy), _optimizer()
+    state, batch = self.step_args()
+    path = fused_step.stack_path(model, state.params, batch)
+    return TrainStep(fused_step.make_fused_train_step(model, tx, path), _loss(self.task, model),
+                     lambda state, batch: (state.params, (state.model_state, batch)))
+
   def loss_args(self):
     """Abstract ``(params, (model_state, batch))`` of the loss."""
     state, batch = self.step_args()
@@ -163,7 +187,7 @@ def case(model_cfg, batch_size: int, size: int) -> Case:
 
 
 def measure(model_cfg, spec: str | Policy, batch_size: int, size: int, target: Target,
-            run: bool = False, time_steps: int = 5) -> Measurement:
+            run: bool = False, time_steps: int = 5, fused: bool = False) -> Measurement:
   """Measures the train step (forward, backward, AdamW; state donated) under ``spec``.
 
   Args:
@@ -174,9 +198,16 @@ def measure(model_cfg, spec: str | Policy, batch_size: int, size: int, target: T
     target: where to compile for (:func:`remat.targets.get_target`).
     run: also time the step on a freshly initialised state (local backend only).
     time_steps: timed steps after 2 warm-up steps.
+    fused: measure :mod:`training.fused_step`'s step (the optimizer applied layer by
+      layer in the backward pass) instead of the ordinary one.
   """
   c = case(model_cfg, batch_size, size)
   policy = c.policy(spec)
+  if fused:
+    return measuring.measure_policy(c.fused_train_step(policy), *c.fused_step_args(),
+                                    spec=policy.spec, target=target, time=run,
+                                    time_steps=time_steps,
+                                    time_args=c.real_fused_step_args() if run else None)
   return measuring.measure_policy(c.train_step(policy), *c.step_args(), spec=policy.spec,
                                   target=target, time=run, time_steps=time_steps,
                                   time_args=c.real_step_args() if run else None)

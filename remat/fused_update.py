@@ -213,11 +213,11 @@ class _Update:
     zero = sum(g.ravel()[0].astype(jnp.float32) for g in jax.tree_util.tree_leaves(grads)) * 0.0
     start = jax.tree_util.tree_map(lambda a: jnp.full(a.shape, zero, a.dtype), shapes)
 
-    def body(c):
-      i, p_all, l_all, _ = c
-      return i + 1, p_all, l_all, new_values(p_all, l_all)
-    _, params_all, layered_all, (new_params, new_state) = jax.lax.while_loop(
-        lambda c: c[0] < 1, body, (jnp.zeros((), jnp.int32), params_all, layered_all, start))
+    def body(c, _):
+      p_all, l_all, _ = c
+      return (p_all, l_all, new_values(p_all, l_all)), None
+    (params_all, layered_all, (new_params, new_state)), _ = jax.lax.scan(
+        body, (params_all, layered_all, start), None, length=1)
     leaves = jax.tree_util.tree_leaves(new_state)
     return (params_all, layered_all, new_params, [a for a, p in zip(leaves, self.per_layer) if p],
             [a for a, p in zip(leaves, self.per_layer) if not p])

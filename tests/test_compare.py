@@ -138,6 +138,10 @@ def test_vision(tmp_path, capsys, argv, families, skipped):
     (['--model', 'gpt2', '--config', 'tiny', '--batch-size', '2', '--steps', '0'],
      '--steps must be >= 1'),
     (['--batch-size', '2'], 'the following arguments are required: --model'),
+    (['--model', 'resnet', '--config', 'resnet-tiny', '--batch-size', '2', '--fused-update'],
+     'a ResNet has one per stage'),
+    (['--model', 'gpt2', '--config', 'tiny', '--batch-size', '2', '--fused-update'],
+     'runs models without dropout; tiny has dropout 0.1'),
 ])
 def test_one_line_errors(capsys, argv, message):
   assert compare.main(argv) == 2
@@ -146,6 +150,24 @@ def test_one_line_errors(capsys, argv, message):
   lines = captured.err.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith('baselines.compare: error: ')
   assert message in lines[0]
+
+
+def test_fused_update_rows(tmp_path, capsys):
+  argv = ['--model', 'vit', '--config', 'vit-tiny', '--batch-size', '2', '--families', 'none,block']
+  plain, _ = _run(tmp_path, capsys, argv)
+  fused, text = _run(tmp_path, capsys, argv + ['--fused-update'])
+  rows = _check_rows(fused, ['none', 'block'])
+  assert fused['environment']['jax_step'] == 'fused update'
+  assert '(--fused-update)' in text.splitlines()[0]
+  assert '# optimizer: DIFFERENT settings: clip JAX per layer vs torch global' in text
+  for family in ('none', 'block'):
+    ordinary = {r['family']: r for r in plain['families']}[family]['jax']
+    j = rows[family]['jax']
+    # the same model, loss and policy: the same matmuls and residuals; no [N, ...] gradient,
+    # so the plan is smaller (vit-tiny: its 4 layers' gradients are most of the stack's bytes)
+    assert j['step_flops'] == ordinary['step_flops']
+    assert j['residual_bytes'] == ordinary['residual_bytes']
+    assert j['peak_bytes'] < ordinary['peak_bytes']
 
 
 def test_missing_torch_is_a_one_line_error(capsys, monkeypatch):
