@@ -109,13 +109,17 @@ def _ordinary_loss(outer, stacked, batch):
   return post(outer, h, *batch)
 
 
-def _temp(fn, *args):
+def _temp(fn, *args, target='cpu'):
+  if target != 'cpu':
+    from remat.measuring import TrainStep, step_memory
+    return step_memory(TrainStep(fn, lambda *a: 0.0, lambda *a: a), *args, target=target).temp
   c = jax.jit(fn, donate_argnums=(0,)).lower(*args).compile(compiler_options=compiler_options() or None)
   m = c.memory_analysis()
   return m.temp_size_in_bytes
 
 
-def test_no_stacked_gradient_buffer_in_the_plan():
+@pytest.mark.parametrize('target', ['cpu', pytest.param('h200', marks=pytest.mark.gpu_plan)])
+def test_no_stacked_gradient_buffer_in_the_plan(target):
   # Wide layers and a small batch: the weight gradients dominate the step's temporaries.
   n, d, f = 16, 256, 1024
   k = jax.random.split(jax.random.PRNGKey(1), 2)
@@ -138,12 +142,14 @@ def test_no_stacked_gradient_buffer_in_the_plan():
 
   stack_bytes = sum(np.prod(a.shape) * 4 for a in jax.tree_util.tree_leaves(stacked))
   layer_bytes = stack_bytes // n
-  t_fused = _temp(fused_step, (outer, stacked, state), x, labels)
+  t_fused = _temp(fused_step, (outer, stacked, state), x, labels, target=target)
   t_ordinary = _temp(ordinary, ((outer, stacked), jax.eval_shape(TX.init, (outer, stacked))), x,
-                     labels)
+                     labels, target=target)
   # The ordinary step holds the whole [N, ...] gradient (16 layers' bytes). The fused one holds
   # one layer's update at a time: its gradient, its parameters and Adam moments read out of the
-  # stacks and their new values (measured: 7 layers' bytes on XLA CPU), so it saves at least 4.
+  # stacks and their new values (measured: 7 layers' bytes on XLA CPU, 14.10 against 34.75 MiB;
+  # on the H200 plan, where XLA inlines the one-iteration loop: 6.07 against 35.79 MiB), so it
+  # saves at least 4.
   assert t_ordinary >= stack_bytes, (t_ordinary, stack_bytes)
   assert t_ordinary - t_fused >= 4 * layer_bytes, (t_ordinary, t_fused, layer_bytes)
   assert t_fused <= 8 * layer_bytes, (t_fused, layer_bytes)
