@@ -75,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--budget', default='auto', metavar='auto[:SIZE]',
                  help="for --fit: auto:SIZE (e.g. auto:40GiB), or auto: the target's memory times "
                       'the preallocated fraction (GPU targets)')
+  p.add_argument('--fused-update', action='store_true',
+                 help='measure the train step with AdamW applied layer by layer in the backward '
+                      'pass (remat.fused_update; a per-layer clip) instead of the ordinary one; '
+                      'models without dropout, policy table only')
   p.add_argument('--explain', metavar='FILE|DIR',
                  help="instead of the table: what is live when in XLA's plan of the train step "
                       'under each policy (one policy: FILE.json/.png/.svg; several: DIR with one '
@@ -145,13 +149,15 @@ def _policy_report(args, named, fam, size, target, header) -> dict:
   tags = sorted(case.tags())
   policies = measuring.resolve_policies(parse_specs(args.policies, fam.policies, tags), set(tags),
                                         case.num_layers)  # one-line errors before any compile
-  example_args = case.step_args()
+  fused = getattr(args, 'fused_update', False)
+  example_args = case.fused_step_args() if fused else case.step_args()
   results, peaks = {}, {}
   from tqdm import tqdm
   for policy in tqdm(policies, desc='compiling', unit='policy', file=sys.stderr):
+    step = case.fused_train_step(policy) if fused else case.train_step(policy)
+    real = (case.real_fused_step_args() if fused else case.real_step_args()) if args.time else None
     results[policy.spec] = measuring.measure_policy(
-        case.train_step(policy), *example_args, spec=policy.spec, target=target, time=args.time,
-        time_args=case.real_step_args() if args.time else None)
+        step, *example_args, spec=policy.spec, target=target, time=args.time, time_args=real)
     if args.device_peak:
       peaks[policy.spec] = measured_device_peak(named.name, policy.spec, args.batch_size,
                                                 size, dtype=named.model.dtype)['peak_bytes']
@@ -284,6 +290,11 @@ def main(argv=None) -> int:
            'device': target.description, 'model': fam.arch, 'config': named.name,
            'batch_size': args.batch_size, **shape, 'dtype': named.model.dtype}
     what = 'loss gradient (no optimizer)' if args.sweep else 'train step'
+    if args.fused_update:
+      if args.sweep or args.fit or args.mesh or args.explain or args.device_peak:
+        raise ValueError('--fused-update measures the policy table only: drop --sweep, --fit, '
+                         '--mesh, --explain and --device-peak')
+      what = 'fused train step (AdamW per layer in the backward pass)'
     dims = f'image {size}x{size}' if fam.vision else f'seq {size}'
     if args.sweep and args.sweep.startswith('resolution'):
       dims = 'image SxS'

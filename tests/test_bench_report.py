@@ -54,11 +54,28 @@ def test_json_schema(tmp_path, capsys):
      '--explain explains the train step at one shape: drop --sweep, --fit'),
     (['--mesh', 'tensor=2', '--explain', 'unused'], "axis 'tensor' (tensor parallelism) is not"),
     (['--mesh', 'fsdp=2', '--fit'], '--mesh plans the policy table only: drop --sweep, --fit'),
+    (['--fused-update', '--sweep', 'depth=2,4'], '--fused-update measures the policy table only'),
+    (['--config', 'tiny', '--fused-update'], 'the fused update runs deterministic models only'),
 ])
 def test_errors_are_one_line(argv, needle, capsys):
   assert report.main(argv) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert err[-1].startswith('bench.report: error: ') and needle in err[-1]
+
+
+def test_fused_update_table(tmp_path, capsys):
+  argv = ['--config', 'vit-tiny', '--batch-size', '2', '--policies', 'none,full,sqrt']
+  temps = {}
+  for flag in ([], ['--fused-update']):
+    out = tmp_path / 'r.json'
+    assert report.main(argv + flag + ['--json', str(out)]) == 0
+    temps[bool(flag)] = {r['policy']: r for r in json.loads(out.read_text())['policies']}
+  assert 'fused train step (AdamW per layer in the backward pass)' in capsys.readouterr().out
+  for spec in ('none', 'full', 'sqrt'):
+    ordinary, fused = temps[False][spec], temps[True][spec]
+    # the same matmuls and residuals, without the stacked gradient buffer
+    assert fused['flops'] == ordinary['flops'] and fused['residual_bytes'] == ordinary['residual_bytes']
+    assert fused['temp'] < ordinary['temp']
 
 
 def test_device_peak_needs_a_gpu(capsys):
