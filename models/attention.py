@@ -306,6 +306,12 @@ def _attention_bwd(causal, rate, res, g):
   """
   q, k, v, key, segs = res
   dtypes = (q.dtype, k.dtype, v.dtype)
+  # Tied to dO (``+ 0 * dO[0]``, an add XLA fuses into the transposes below): otherwise XLA's
+  # CPU schedule made the head-major copies of q, k and v as soon as a recomputed layer's
+  # residuals existed and held them through the MLP's backward pass (ViT-B/16: 23 MiB of the
+  # ordinary step's `none` plan; the fused update's `dots` peak, docs/pytorch.md).
+  tie = g.ravel()[0] * 0
+  q, k, v = (a + tie.astype(a.dtype) for a in (q, k, v))
   hkv = k.shape[2]
   q, k, v, g = _f32(_groups(q, hkv), _heads(k), _heads(v), _groups(g, hkv))
   b, n, groups, t, d = q.shape

@@ -32,7 +32,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
 
+import math
+
 import jax
+import jax.extend
 import jax.numpy as jnp
 import optax
 
@@ -147,8 +150,9 @@ def fused_update(pre_fn: Callable, layer_fn: Callable, post_fn: Callable,
 
     rule = policy._layer_policy() or lean_saveable   # `none` is the stack's lean none
     one = jax.checkpoint(layer_fn, policy=rule, prevent_cse=False)  # inside scans only
-    update = _Update(tx, unit_state, per_layer)
     x, pre_vjp = jax.vjp(lambda o: pre_fn(o, *batch), outer)
+    update = _Update(tx, unit_state, per_layer, _state_owner(stack_state, stacked, per_layer),
+                     _backward_order(layer_fn, stacked, x))
     runs = _runs(num_layers, policy)
     saved = []
     for first, count, size in runs:
@@ -167,7 +171,7 @@ def fused_update(pre_fn: Callable, layer_fn: Callable, post_fn: Callable,
       else:
         carry = _layers_backward(update, carry, kept, layout, first, count)
     dx, stacked, layered, new_shared = carry
-    (d_pre,) = pre_vjp(dx)
+    (d_pre,) = _after(pre_vjp, dx, outer)(dx)
     d_outer = jax.tree_util.tree_map(jnp.add, d_outer, d_pre)
     updates, outer_state = tx.update(d_outer, outer_state, outer)
     outer = optax.apply_updates(outer, updates)
@@ -179,6 +183,23 @@ def fused_update(pre_fn: Callable, layer_fn: Callable, post_fn: Callable,
   return FusedUpdate(init, step)
 
 
+def _after(vjp_fn, value, params):
+  """``vjp_fn`` whose residuals (other than ``params``) are tied to ``value``: read only after it.
+
+  XLA may prepare a backward pass as soon as its residuals exist: ViT-B/16's patch embedding
+  had a transposed copy of the images made in the forward pass and held through the whole
+  stack's backward (4.59 MiB). ``+ 0 * value[0]`` makes each such residual depend on ``value``
+  (the stack's input gradient) at the cost of one add XLA fuses into its reader.
+  """
+  own = {id(p) for p in jax.tree_util.tree_leaves(params)}
+  zero = jax.tree_util.tree_leaves(value)[0].ravel()[0] * 0
+  leaves, treedef = jax.tree_util.tree_flatten(vjp_fn)
+  tied = [leaf + zero.astype(leaf.dtype)
+          if id(leaf) not in own and jnp.issubdtype(jnp.result_type(leaf), jnp.floating) else leaf
+          for leaf in leaves]
+  return jax.tree_util.tree_unflatten(treedef, tied)
+
+
 def _num_layers(stacked) -> int:
   sizes = {jnp.shape(a)[0] if jnp.ndim(a) else None for a in jax.tree_util.tree_leaves(stacked)}
   if len(sizes) != 1 or None in sizes:
@@ -188,39 +209,125 @@ def _num_layers(stacked) -> int:
 
 
 class _Update:
-  """``tx`` on one layer: its gradient, parameters and slice of the optimizer state."""
+  """``tx`` on one layer: its gradient, parameters and slice of the optimizer state, written in place."""
 
-  def __init__(self, tx, unit_state, per_layer):
+  def __init__(self, tx, unit_state, per_layer, state_owner, order):
     self.tx, self.unit_state, self.per_layer = tx, unit_state, per_layer
+    self.state_owner, self.order = state_owner, order
 
   def __call__(self, grads, params_all, layered_all, index):
+    """Returns ``(params_all, layered_all, new shared scalars)`` with layer ``index`` updated."""
     def new_values(p_all, l_all):
       params = _slice(p_all, index, None)
       state = self.unit_state(_slice(l_all, index, None))
       updates, new_state = self.tx.update(grads, state, params)
-      return optax.apply_updates(params, updates), new_state
+      new_params = optax.apply_updates(params, updates)
+      return jax.tree_util.tree_leaves(new_params) + jax.tree_util.tree_leaves(new_state)
 
-    # A one-iteration loop, so the layer's new values exist before any stacked buffer is
+    n_params = len(jax.tree_util.tree_leaves(params_all))
+    shapes = jax.eval_shape(new_values, params_all, layered_all)
+    layered_at = {}   # output position -> position in layered_all
+    for pos, p in enumerate(self.per_layer):
+      if p:
+        layered_at[n_params + pos] = len(layered_at)
+    shared_at = [n_params + pos for pos, p in enumerate(self.per_layer) if not p]
+    # Each group is one loop; its outputs are written before the next group's loop starts.
+    # A one-iteration loop, so a leaf's new values exist before any stacked buffer is
     # written: fused into the writes, they read slices of buffers that other writes change,
     # and XLA then copies whole [N, ...] buffers each iteration (measured on CPU: +523 MiB for
-    # ViT-B/16). The loop's buffers start as zeros that depend on every leaf of the gradient,
-    # so XLA cannot allocate them before the layer's backward pass has finished (a constant
-    # start was allocated at the top of the layer's backward, one that depends on the first
-    # leaf only, before the attention's backward: +80 and +54 MiB at ViT-B/16's peak). The CPU
-    # options keep such loops; elsewhere XLA inlines it, and the H200 plan was measured the
-    # same with and without it.
-    shapes = jax.eval_shape(new_values, params_all, layered_all)
-    zero = sum(g.ravel()[0].astype(jnp.float32) for g in jax.tree_util.tree_leaves(grads)) * 0.0
-    start = jax.tree_util.tree_map(lambda a: jnp.full(a.shape, zero, a.dtype), shapes)
+    # ViT-B/16). A loop per large parameter (with its optimizer-state leaves) holds one
+    # parameter's new values at a time rather than the whole layer's (ViT-B/16: 27 MiB
+    # rather than 54 at the peak of `dots`). The loop's buffers start as zeros that depend on
+    # every leaf of the gradient and on the previous group's result, so XLA allocates them
+    # only when they are needed (a constant start was allocated at the top of the layer's
+    # backward: +54 to +80 MiB at ViT-B/16's peak). The CPU options keep such loops;
+    # elsewhere XLA inlines them, and the H200 plan was measured the same with and without.
+    groups = _groups(shapes, n_params, self.state_owner, self.order)
+    g_leaves = jax.tree_util.tree_leaves(grads)
+    zero = sum(g.ravel()[0].astype(jnp.float32) for g in g_leaves) * 0.0
+    p_leaves, p_def = jax.tree_util.tree_flatten(params_all)
+    l_leaves = list(layered_all)
+    shared = [None] * len(shared_at)
+    for group in groups:
+      start = [jnp.full(shapes[i].shape, zero, shapes[i].dtype) for i in group]
 
-    def body(c, _):
-      p_all, l_all, _ = c
-      return (p_all, l_all, new_values(p_all, l_all)), None
-    (params_all, layered_all, (new_params, new_state)), _ = jax.lax.scan(
-        body, (params_all, layered_all, start), None, length=1)
-    leaves = jax.tree_util.tree_leaves(new_state)
-    return (params_all, layered_all, new_params, [a for a, p in zip(leaves, self.per_layer) if p],
-            [a for a, p in zip(leaves, self.per_layer) if not p])
+      def body(c, _, group=group):
+        p_tree, l_all, _ = c
+        out = new_values(p_tree, l_all)
+        return (p_tree, l_all, [out[i] for i in group]), None
+      (params_tree, l_leaves, outs), _ = jax.lax.scan(
+          body, (jax.tree_util.tree_unflatten(p_def, p_leaves), l_leaves, start), None, length=1)
+      p_leaves = jax.tree_util.tree_leaves(params_tree)
+      for i, value in zip(group, outs):
+        if i < n_params:
+          p_leaves[i] = jax.lax.dynamic_update_index_in_dim(p_leaves[i], value, index, 0)
+        elif i in layered_at:
+          j = layered_at[i]
+          l_leaves[j] = jax.lax.dynamic_update_index_in_dim(l_leaves[j], value, index, 0)
+        else:
+          shared[shared_at.index(i)] = value
+      zero = zero + outs[0].ravel()[0].astype(jnp.float32) * 0.0
+    return jax.tree_util.tree_unflatten(p_def, p_leaves), l_leaves, shared
+
+
+def _state_owner(state, params, per_layer) -> list[int | None] | None:
+  """For each optimizer-state leaf, the parameter leaf it belongs to (None: a shared scalar).
+
+  Optax states hold parameter-shaped subtrees (Adam's ``mu`` and ``nu``); their leaves belong
+  to the parameter leaf at the same position. Returns None when a per-layer leaf lies outside
+  such a subtree (its owner is unknown, so the layer is updated as one group).
+  """
+  p_def = jax.tree_util.tree_structure(params)
+  is_params = lambda node: jax.tree_util.tree_structure(node) == p_def
+  owner = []
+  for node in jax.tree_util.tree_leaves(state, is_leaf=is_params):
+    if is_params(node) and jax.tree_util.tree_leaves(node):
+      owner.extend(range(len(jax.tree_util.tree_leaves(node))))
+    else:
+      owner.append(None)
+  if len(owner) != len(per_layer) or any(o is None and p for o, p in zip(owner, per_layer)):
+    return None
+  return owner
+
+
+def _backward_order(layer_fn, stacked, x) -> list[int]:
+  """Parameter leaves in the order the backward pass makes their gradients: last used first."""
+  params = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stacked)
+  x = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)
+  jaxpr = jax.make_jaxpr(layer_fn)(params, x).jaxpr
+  n = len(jax.tree_util.tree_leaves(params))
+  first = {}
+  for pos, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if not isinstance(v, jax.extend.core.Literal):
+        first.setdefault(v, pos)
+  use = [first.get(v, -1) for v in jaxpr.invars[:n]]
+  return sorted(range(n), key=lambda i: -use[i])
+
+
+def _groups(shapes, n_params: int, owner, order) -> list[list[int]]:
+  """Output positions in update groups: each large parameter with its state leaves, then the rest.
+
+  ``owner[k]`` is the parameter index that state leaf ``k`` belongs to (None: shared or unknown);
+  with any per-layer state leaf of unknown owner, everything is one group. Large parameters come
+  in ``order`` (the order their gradients are made), so each group can run as soon as its
+  gradient exists.
+  """
+  size = lambda i: math.prod(shapes[i].shape) * shapes[i].dtype.itemsize
+  if owner is None:
+    return [list(range(len(shapes)))]
+  largest = max(size(i) for i in range(n_params))
+  big = [i for i in order if size(i) * 4 >= largest]
+  rest = [i for i in range(n_params) if i not in big]
+  groups = []
+  for i in big + [None]:
+    members = rest if i is None else [i]
+    group = list(members) + [n_params + k for k, o in enumerate(owner) if o in members]
+    if i is None:   # the shared scalars (step counts) with the last group
+      group += [n_params + k for k, o in enumerate(owner) if o is None]
+    if group:
+      groups.append(group)
+  return groups
 
 
 def _layers_forward(one, stacked, x, first, count: int):
@@ -262,10 +369,8 @@ def _layers_backward(update, carry, residuals, layout, first, count: int):
     own = jax.tree_util.tree_leaves(params)
     leaves = [own[j] if is_param else kept[j] for is_param, j in layout['where']]
     grads, dx = jax.tree_util.tree_unflatten(layout['treedef'], leaves)(dy)
-    params_all, layered_all, new_params, new_layered, new_shared = update(
-        grads, params_all, layered_all, index)
-    return (dx, _write(params_all, new_params, index), _write(layered_all, new_layered, index),
-            new_shared), None
+    params_all, layered_all, new_shared = update(grads, params_all, layered_all, index)
+    return (dx, params_all, layered_all, new_shared), None
 
   carry, _ = jax.lax.scan(body, carry, (jnp.arange(count), residuals), reverse=True)
   return carry
