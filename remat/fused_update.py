@@ -12,9 +12,10 @@ policy the backward loop reruns each segment from its saved input and then
 runs that segment's layers backward the same way.
 
 Semantics. ``tx`` is applied to each layer as if that layer's parameters were
-the whole model, and once more to the parameters outside the stack. For elementwise transformations
-(``optax.adamw``, ``adam``, ``sgd`` with momentum, ``lion``, weight decay,
-schedules) that is exactly the update of the ordinary step. A transformation
+the whole model, and once more to the parameters outside the stack. For
+elementwise transformations (``optax.adamw``, ``adam``, ``sgd`` with momentum,
+``lion``, weight decay, schedules) that is exactly the update of the ordinary
+step. A transformation
 that reads all gradients at once does not see them all:
 ``optax.clip_by_global_norm`` inside ``tx`` clips each layer's gradient by that
 layer's own norm (and the outer parameters' by theirs), so the update differs
@@ -30,9 +31,8 @@ and an ordinary one. Policies: per-layer rules and segmentings (``sqrt``,
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
-
 import math
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.extend
@@ -41,9 +41,6 @@ import optax
 
 from remat.layout import lean_saveable
 from remat.policies import Policy, PolicyError, get_policy
-
-_nothing = jax.checkpoint_policies.nothing_saveable
-
 
 class FusedUpdateError(ValueError):
   """Parameters, optimizer state or a policy that the fused step cannot use; one line."""
@@ -62,7 +59,7 @@ class FusedUpdate(NamedTuple):
 
 
 def _runs(num_layers: int, policy: Policy) -> list[tuple[int, int, int]]:
-  """(first layer, segments, layers per segment) runs; one run of N one-layer parts if unsegmented."""
+  """(first layer, segments, layers per segment) runs; unsegmented: one run of N one-layer parts."""
   size = policy.segment_size(num_layers)
   if size is None:
     return [(0, num_layers, 1)]
@@ -78,11 +75,6 @@ def _slice(tree, start, size: int | None):
   if size is None:
     return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, start, 0, False), tree)
   return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, size), tree)
-
-
-def _write(tree, part, start):
-  return jax.tree_util.tree_map(lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b, start, 0),
-                                tree, part)
 
 
 def _split_state(opt_state, num_layers: int):
@@ -192,7 +184,7 @@ def _after(vjp_fn, value, params):
   (the stack's input gradient) at the cost of one add XLA fuses into its reader.
   """
   own = {id(p) for p in jax.tree_util.tree_leaves(params)}
-  zero = jax.tree_util.tree_leaves(value)[0].ravel()[0] * 0
+  zero = jax.tree_util.tree_leaves(value)[0].ravel()[:1].sum() * 0
   leaves, treedef = jax.tree_util.tree_flatten(vjp_fn)
   tied = [leaf + zero.astype(leaf.dtype)
           if id(leaf) not in own and jnp.issubdtype(jnp.result_type(leaf), jnp.floating) else leaf
@@ -209,7 +201,7 @@ def _num_layers(stacked) -> int:
 
 
 class _Update:
-  """``tx`` on one layer: its gradient, parameters and slice of the optimizer state, written in place."""
+  """``tx`` on one layer: its gradient, parameters and optimizer-state slice, written in place."""
 
   def __init__(self, tx, unit_state, per_layer, state_owner, order):
     self.tx, self.unit_state, self.per_layer = tx, unit_state, per_layer
@@ -244,7 +236,7 @@ class _Update:
     # elsewhere XLA inlines them, and the H200 plan was measured the same with and without.
     groups = _groups(shapes, n_params, self.state_owner, self.order)
     g_leaves = jax.tree_util.tree_leaves(grads)
-    zero = sum(g.ravel()[0].astype(jnp.float32) for g in g_leaves) * 0.0
+    zero = sum(g.ravel()[:1].sum().astype(jnp.float32) for g in g_leaves) * 0.0
     p_leaves, p_def = jax.tree_util.tree_flatten(params_all)
     l_leaves = list(layered_all)
     shared = [None] * len(shared_at)
@@ -266,7 +258,7 @@ class _Update:
           l_leaves[j] = jax.lax.dynamic_update_index_in_dim(l_leaves[j], value, index, 0)
         else:
           shared[shared_at.index(i)] = value
-      zero = zero + outs[0].ravel()[0].astype(jnp.float32) * 0.0
+      zero = zero + outs[0].ravel()[:1].sum().astype(jnp.float32) * 0.0
     return jax.tree_util.tree_unflatten(p_def, p_leaves), l_leaves, shared
 
 

@@ -1,4 +1,4 @@
-"""A train step with the optimizer applied per layer in the backward pass (:func:`remat.fused_update`).
+"""A train step with the optimizer applied per layer in the backward pass (remat.fused_update).
 
 Our models (GPT-2, Llama, ViT) run their blocks through one :class:`remat.LayerStack`.
 The step cuts a model's loss there without model-specific code: a Flax method
