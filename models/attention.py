@@ -67,6 +67,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from remat.fused_update import read_after
 from models.layers import MAX_BACKWARD_CHUNKS, bernoulli, bernoulli_block, fused_bits_ok
 
 IMPLEMENTATIONS = ('auto', 'dense', 'blockwise', 'cudnn')
@@ -306,12 +307,10 @@ def _attention_bwd(causal, rate, res, g):
   """
   q, k, v, key, segs = res
   dtypes = (q.dtype, k.dtype, v.dtype)
-  # Tied to dO (``+ 0 * dO[0]``, an add XLA fuses into the transposes below): otherwise XLA's
-  # CPU schedule made the head-major copies of q, k and v as soon as a recomputed layer's
-  # residuals existed and held them through the MLP's backward pass (ViT-B/16: 23 MiB of the
-  # ordinary step's `none` plan; the fused update's `dots` peak, docs/pytorch.md).
-  tie = g.ravel()[0] * 0
-  q, k, v = (a + tie.astype(a.dtype) for a in (q, k, v))
+  # In remat.fused_update's backward pass, the head-major copies of q, k and v below wait for
+  # dO: XLA's CPU schedule made them as soon as the layer's residuals were read and held them
+  # through the MLP's backward pass (ViT-B/16 `dots`: 1686 -> 1665 MiB, docs/pytorch.md).
+  q, k, v = read_after((q, k, v), g)
   hkv = k.shape[2]
   q, k, v, g = _f32(_groups(q, hkv), _heads(k), _heads(v), _groups(g, hkv))
   b, n, groups, t, d = q.shape

@@ -31,6 +31,8 @@ and an ordinary one. Policies: per-layer rules and segmentings (``sqrt``,
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -41,6 +43,35 @@ import optax
 
 from remat.layout import lean_saveable
 from remat.policies import Policy, PolicyError, get_policy
+
+_IN_BACKWARD = contextvars.ContextVar('remat_fused_backward', default=False)
+
+
+def read_after(x, value):
+  """``x``, read only once ``value`` exists, inside :func:`fused_update`'s backward pass.
+
+  For derivative rules: ``q = read_after(q, dO)`` in a custom VJP's backward makes
+  every use of ``q`` wait for ``dO`` (``x + 0 * value[0]``, one add XLA fuses into
+  the reader). XLA's CPU schedule otherwise prepares a layer's backward pass from
+  its residuals as soon as they are read, holding those copies through the rest
+  of the layer's backward pass. Elsewhere (an ordinary step) it returns ``x``
+  unchanged: there the hint was measured to help some plans and hurt others
+  (GPT-2 small's H200 plan of ``dots_no_batch``: +174 MiB).
+  """
+  if not _IN_BACKWARD.get():
+    return x
+  zero = jax.tree_util.tree_leaves(value)[0].ravel()[:1].sum() * 0
+  return jax.tree_util.tree_map(lambda a: a + zero.astype(a.dtype), x)
+
+
+@contextlib.contextmanager
+def _in_backward():
+  token = _IN_BACKWARD.set(True)
+  try:
+    yield
+  finally:
+    _IN_BACKWARD.reset(token)
+
 
 class FusedUpdateError(ValueError):
   """Parameters, optimizer state or a policy that the fused step cannot use; one line."""
@@ -360,7 +391,8 @@ def _layers_backward(update, carry, residuals, layout, first, count: int):
     params = _slice(params_all, index, None)
     own = jax.tree_util.tree_leaves(params)
     leaves = [own[j] if is_param else kept[j] for is_param, j in layout['where']]
-    grads, dx = jax.tree_util.tree_unflatten(layout['treedef'], leaves)(dy)
+    with _in_backward():
+      grads, dx = jax.tree_util.tree_unflatten(layout['treedef'], leaves)(dy)
     params_all, layered_all, new_shared = update(grads, params_all, layered_all, index)
     return (dx, params_all, layered_all, new_shared), None
 

@@ -169,3 +169,15 @@ def test_errors_are_one_line():
   with pytest.raises(FusedUpdateError, match='same leading layer axis') as e:
     jax.jit(fused.step)(outer, bad, fused.init(outer, bad), *_batch())
   assert '\n' not in str(e.value)
+
+
+def test_read_after_ties_only_inside_the_fused_backward():
+  from remat.fused_update import _in_backward
+  x, g = jnp.ones((3, 4)), jnp.full((2,), jnp.nan)
+  assert remat.read_after(x, g) is x          # an ordinary step is left as it was
+  with _in_backward():
+    jaxpr = jax.make_jaxpr(lambda a, b: remat.read_after(a, b))(x, g)
+    tied = remat.read_after(x, jnp.full((2,), 3.0))
+  # inside, x depends on g (one add of g[0] * 0), and its value is unchanged for finite g
+  assert any(e.primitive.name == 'add' for e in jaxpr.eqns)
+  np.testing.assert_array_equal(tied, x)
