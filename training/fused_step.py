@@ -7,7 +7,7 @@ or hands it the stack's output (final norm, head and loss: ``post``); the
 blocks run as ``layer`` with the stack's extra call arguments (segment ids,
 RoPE tables) as the model passed them.
 
-Semantics (docs/policies.md, "Fused update"): the loss and gradients are the
+Semantics (docs/own-model.md, docs/pytorch.md): the loss and gradients are the
 ordinary step's. AdamW is elementwise, so each layer's update is the ordinary
 one; the global-norm clip of :func:`training.steps.make_optimizer` becomes a
 clip of each layer's gradient by its own norm (and of the parameters outside
@@ -67,13 +67,11 @@ def _at_stack(task, model, params, model_state, batch) -> _AtStack:
 def stack_path(model: nn.Module, params, batch, model_state=None) -> tuple[str, ...]:
   """Where the model's stacked block variables are: ``params[path]['block']``."""
   _check_model(model)
-  task = _task(model)
-  found = {}
-
   if model_state:
     raise FusedStepError(f'the fused update takes models without non-trained state; '
                          f"{type(model).__name__} has {', '.join(sorted(model_state))}")
-  calls = []
+  task = _task(model)
+  found, calls = {}, []
 
   def count(next_fun, args, kwargs, context):
     if isinstance(context.module, remat.LayerStack) and context.method_name == '__call__':
