@@ -224,8 +224,8 @@ def resolve(args) -> Setup:
     if arch == 'resnet':
       raise CompareError('--fused-update cuts a model at its one layer stack; a ResNet has one '
                          'per stage')
-    drop = {f: getattr(named.model, f) for f in ('dropout', 'attention_dropout', 'embed_dropout')
-            if getattr(named.model, f, 0)}
+    from training.fused_step import dropout_of
+    drop = dropout_of(named.model)
     if drop:
       raise CompareError(f'--fused-update runs models without dropout; {named.name} has '
                          + ', '.join(f'{k} {v}' for k, v in drop.items()))

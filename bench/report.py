@@ -149,7 +149,7 @@ def _policy_report(args, named, fam, size, target, header) -> dict:
   tags = sorted(case.tags())
   policies = measuring.resolve_policies(parse_specs(args.policies, fam.policies, tags), set(tags),
                                         case.num_layers)  # one-line errors before any compile
-  fused = getattr(args, 'fused_update', False)
+  fused = args.fused_update
   example_args = case.fused_step_args() if fused else case.step_args()
   results, peaks = {}, {}
   from tqdm import tqdm

@@ -11,6 +11,7 @@ so the report measures the step that training compiles.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -133,27 +134,30 @@ class Case:
     return TrainStep(st.make_train_step(model, tx, 0), _loss(self.task, model),
                      lambda state, batch: (state.params, (state.model_state, batch)))
 
+  @functools.cached_property
+  def stack_path(self) -> tuple[str, ...]:
+    """Where the model's stacked blocks are (:func:`training.fused_step.stack_path`; traced once)."""
+    state, batch = self.step_args()
+    return fused_step.stack_path(self.task.model('none'), state.params, batch)
+
   def fused_step_args(self):
     """Abstract ``(state, batch)`` of the fused step (:mod:`training.fused_step`)."""
     model, tx = self.task.model('none'), _optimizer()
     state, batch = self.step_args()
-    path = fused_step.stack_path(model, state.params, batch)
-    return jax.eval_shape(lambda p: fused_step.init_fused_state(model, tx, p, path),
+    return jax.eval_shape(lambda p: fused_step.init_fused_state(model, tx, p, self.stack_path),
                           state.params), batch
 
   def real_fused_step_args(self):
     """The initial fused train state and an all-zero batch, allocated (for timing)."""
     model, tx = self.task.model('none'), _optimizer()
     state, batch = self.real_step_args()
-    path = fused_step.stack_path(model, state.params, batch)
-    return fused_step.init_fused_state(model, tx, state.params, path), batch
+    return fused_step.init_fused_state(model, tx, state.params, self.stack_path), batch
 
   def fused_train_step(self, policy: Policy) -> TrainStep:
     """The train step with AdamW applied layer by layer in the backward pass (clip per layer)."""
     model, tx = self.task.model(policy), _optimizer()
-    state, batch = self.step_args()
-    path = fused_step.stack_path(model, state.params, batch)
-    return TrainStep(fused_step.make_fused_train_step(model, tx, path), _loss(self.task, model),
+    step = fused_step.make_fused_train_step(model, tx, self.stack_path)
+    return TrainStep(step, _loss(self.task, model),
                      lambda state, batch: (state.params, (state.model_state, batch)))
 
   def loss_args(self):

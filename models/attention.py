@@ -67,8 +67,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from remat.fused_update import read_after
 from models.layers import MAX_BACKWARD_CHUNKS, bernoulli, bernoulli_block, fused_bits_ok
+from remat.fused_update import read_after
 
 IMPLEMENTATIONS = ('auto', 'dense', 'blockwise', 'cudnn')
 

@@ -48,13 +48,8 @@ def post(outer, h, x, labels):
 
 def _ordinary(outer, stacked, tx, batch):
   """Reference: the ordinary step over the whole tree."""
-  def loss(params):
-    o, s = params
-    h = pre(o, *batch)
-    h = jax.lax.scan(lambda c, p: (layer(p, c), None), h, s)[0]
-    return post(o, h, *batch)
   params = (outer, stacked)
-  value, grads = jax.value_and_grad(loss)(params)
+  value, grads = jax.value_and_grad(lambda p: _ordinary_loss(p[0], p[1], batch))(params)
   state = tx.init(params)
   updates, state = tx.update(grads, state, params)
   return optax.apply_updates(params, updates), value

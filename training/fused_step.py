@@ -38,18 +38,33 @@ class _AtStack(Exception):
     self.module, self.x, self.args = module, x, args
 
 
+# The config fields that give a model dropout (GPT-2, Llama, ViT).
+DROPOUT_FIELDS = ('dropout', 'attention_dropout', 'embed_dropout')
+
+
+def dropout_of(config) -> dict:
+  """The config's non-zero dropout rates by field (empty: the fused step can run it)."""
+  return {f: getattr(config, f) for f in DROPOUT_FIELDS if getattr(config, f, 0)}
+
+
+def _stack_call(context, kwargs) -> bool:
+  """True for a LayerStack's ``__call__`` the fused step can cut at; one-line error for others."""
+  if not (isinstance(context.module, remat.LayerStack) and context.method_name == '__call__'):
+    return False
+  if context.module.pattern is not None or kwargs.get('xs') is not None:
+    raise FusedStepError('the fused update takes a stack of one block kind with no per-layer '
+                         'inputs')
+  return True
+
+
 def _stop_at_stack(next_fun, args, kwargs, context):
-  if isinstance(context.module, remat.LayerStack) and context.method_name == '__call__':
-    if context.module.pattern is not None or kwargs.get('xs') is not None:
-      raise FusedStepError('the fused update takes a stack of one block kind with no per-layer '
-                           'inputs')
+  if _stack_call(context, kwargs):
     raise _AtStack(context.module, args[0], args[1:])
   return next_fun(*args, **kwargs)
 
 
 def _check_model(model: nn.Module) -> None:
-  cfg = model.config
-  if any(getattr(cfg, f, 0) for f in ('dropout', 'attention_dropout', 'embed_dropout')):
+  if dropout_of(model.config):
     raise FusedStepError(f'the fused update runs deterministic models only; {type(model).__name__}'
                          "'s config has dropout (set it to 0)")
 
@@ -71,15 +86,14 @@ def stack_path(model: nn.Module, params, batch, model_state=None) -> tuple[str, 
     raise FusedStepError(f'the fused update takes models without non-trained state; '
                          f"{type(model).__name__} has {', '.join(sorted(model_state))}")
   task = _task(model)
-  found, calls = {}, []
+  calls = []
 
   def count(next_fun, args, kwargs, context):
-    if isinstance(context.module, remat.LayerStack) and context.method_name == '__call__':
-      calls.append(context.module.scope.path)
+    if _stack_call(context, kwargs):
+      calls.append(tuple(context.module.scope.path))
     return next_fun(*args, **kwargs)
 
   def probe(p, b):
-    found['path'] = tuple(_at_stack(task, model, p, {}, b).module.scope.path)
     with nn.intercept_methods(count):
       task.loss(model, p, {}, b)
     return 0
@@ -87,7 +101,7 @@ def stack_path(model: nn.Module, params, batch, model_state=None) -> tuple[str, 
   if len(calls) != 1:
     raise FusedStepError(f'the fused update cuts a model at its one layer stack; '
                          f'{type(model).__name__} runs {len(calls)}')
-  return found['path']
+  return calls[0]
 
 
 def split_params(params, path: tuple[str, ...]):
@@ -171,9 +185,7 @@ def make_fused_train_step(model: nn.Module, tx: optax.GradientTransformation, pa
 
     def cut_loss(o, y):
       def give(next_fun, a, kw, context):
-        if isinstance(context.module, remat.LayerStack) and context.method_name == '__call__':
-          return y
-        return next_fun(*a, **kw)
+        return y if _stack_call(context, kw) else next_fun(*a, **kw)
       with nn.intercept_methods(give):
         return task.loss(model, join_params(o, stacked, path), state.model_state, batch)[0]
 
