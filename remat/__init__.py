@@ -28,7 +28,8 @@ from remat.measuring import Measurement, Report, TrainStep, measure
 from remat.nnx_stack import NNXStack
 from remat.policies import (PRESETS, Policy, PolicyError, get_policy, list_policies,
                             policy_names)
-from remat.scan_layers import StackSignatureError, scan_layers
+from remat.jax_stack import scan_layers
+from remat.stack_checks import StackSignatureError
 from remat.stack import LayerStack
 
 __all__ = ['PRESETS', 'Policy', 'PolicyError', 'get_policy', 'list_policies',

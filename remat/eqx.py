@@ -22,7 +22,8 @@ from typing import Any, Callable
 import jax
 
 from remat.policies import Policy
-from remat.scan_layers import StackSignatureError, scan_layers
+from remat.jax_stack import scan_layers
+from remat.stack_checks import StackSignatureError
 
 
 def _equinox():

@@ -3,7 +3,7 @@
 :class:`NNXStack` creates its N blocks with ``nnx.vmap`` (parameters stacked
 ``[N, ...]``, each layer initialised from its own split of ``rngs``), and at
 call time splits them into a graph definition and stacked state and runs them
-through :func:`remat.scan_layers.segmented_scan`, the one implementation of
+through :func:`remat.segments.run_units`, the one implementation of
 the policies shared with the linen and plain-JAX front doors. Variables other
 than ``nnx.Param`` (BatchNorm statistics, RNG counters) come back from each
 layer as scan outputs and are written back into the stack, so a block that
@@ -26,8 +26,8 @@ from flax import nnx
 
 from remat import patterns
 from remat.policies import Policy
-from remat.scan_layers import (StackSignatureError, check_policy, check_signature, check_stacked,
-                               split_output, takes_rng, trace_layer)
+from remat.stack_checks import (StackSignatureError, check_policy, check_signature, check_stacked,
+                                split_output, takes_rng, trace_layer)
 
 _EXPECTS = ('NNXStack calls block(x[, xs_i], *args[, rng=key][, rngs=nnx.Rngs]) -> y or (y, aux), '
             "with args the stack's extra call arguments")

@@ -2,7 +2,7 @@
 
 :class:`LayerStack` stores the blocks' variables stacked, ``[N, ...]`` per
 leaf, under ``<stack>/block``, and runs them through
-:func:`remat.scan_layers.segmented_scan`, the one implementation of the
+:func:`remat.segments.run_units`, the one implementation of the
 policies shared with the NNX and plain-JAX front doors. It applies the
 block functionally (``block.apply`` on layer i's slice of the variables), so:
 
@@ -41,8 +41,8 @@ import jax
 
 from remat import patterns
 from remat.policies import Policy
-from remat.scan_layers import (StackSignatureError, check_policy, check_signature, check_stacked,
-                               split_output, takes_rng, trace_layer)
+from remat.stack_checks import (StackSignatureError, check_policy, check_signature, check_stacked,
+                                split_output, takes_rng, trace_layer)
 
 _EXPECTS = ('LayerStack calls block(x[, xs_i], *args[, rng=key]) -> y or (y, aux), with args the '
             "stack's extra call arguments")

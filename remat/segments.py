@@ -1,0 +1,154 @@
+"""The one implementation of a policy over a stack: the per-layer rule inside, segments outside.
+
+Every front door (:func:`remat.scan_layers`, :class:`remat.LayerStack`,
+:class:`remat.NNXStack`, :mod:`remat.eqx`) reduces its stack to
+:func:`run_units`: a ``lax.scan`` over *units* whose per-unit slices
+(parameters, dropout keys, mutable state) are stacked ``[U, ...]``. A unit is
+one layer, or one repeat of a pattern of layer kinds (:mod:`remat.patterns`);
+either way the unit is built by ``unit(rule, prevent_cse)``, which applies the
+per-layer rule to *each layer inside it*. The policy decides the loop nest:
+
+* per layer: one scan over the units, each layer in ``jax.checkpoint`` with
+  the rule; ``none`` keeps every value an expensive operation produced and
+  rebuilds the cheap elementwise ones in the backward pass
+  (:func:`remat.layout.lean_saveable`), as XLA's fusion does in an unrolled
+  model, where a plain scan would materialise all of them as ``[U, ...]`` loop
+  outputs;
+* segmented (``sqrt``, ``seg:K``, ``stage``): a scan over U // K segments,
+  each in ``jax.checkpoint(policy=nothing_saveable)`` so only its input is
+  saved, the per-layer rule (for ``none`` the lean one) applied to every layer
+  inside it, then one remainder segment of U % K units;
+* a mix (``4xfull+none``): consecutive runs of units, each as above under its
+  own part.
+
+Nothing else wraps a unit, so a rule is never overridden by an outer
+checkpoint: a pattern's repeat under ``full`` saves what ``full`` saves for
+each of its layers, exactly as the same layers would without the pattern.
+
+``prevent_cse=False`` only inside a loop of length > 1; a loop of one
+iteration (a one-unit stack, a remainder, a ``stage`` segment) is still a
+length-1 scan with ``prevent_cse=True``. XLA's while-loop simplifier inlines
+such loops, after which the CPU backend drops their checkpoints unless the
+step is compiled with :data:`remat.targets.CPU_COMPILER_OPTIONS`
+(docs/own-model.md has the measurements); GPU pipelines keep them.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from remat.layout import lean_saveable, run_unrolled, unrolled_active
+from remat.policies import Policy
+
+_nothing = jax.checkpoint_policies.nothing_saveable
+
+# unit(rule, prevent_cse) -> step(x, xs_u) -> (x, ys_u): one unit, the rule (a jax.checkpoint
+# policy, or None for no checkpoint) applied to each of its layers.
+Unit = Callable[[Callable | None, bool], Callable]
+
+
+def checkpointed(step: Callable, rule: Callable | None, prevent_cse: bool) -> Callable:
+  """``step`` under ``jax.checkpoint`` with ``rule``; ``step`` itself for None."""
+  return step if rule is None else jax.checkpoint(step, policy=rule, prevent_cse=prevent_cse)
+
+
+def layer_unit(step: Callable) -> Unit:
+  """The unit of a plain stack: one layer, ``step(x, xs_i) -> (x, ys_i)``."""
+  return lambda rule, prevent_cse: checkpointed(step, rule, prevent_cse)
+
+
+def _first(tree):
+  return jax.tree_util.tree_map(lambda a: a[0], tree)
+
+
+def _add_axis(tree):
+  return jax.tree_util.tree_map(lambda a: a[None], tree)
+
+
+def _run_one(body: Callable, x, xs):
+  """One unit as a length-1 scan over x itself (not a carry), so it may change x's shape."""
+  _, (y, ys) = jax.lax.scan(lambda c, inp: (c, body(*inp)), None, (_add_axis(x), xs))
+  return _first(y), ys
+
+
+def _split_stacked(tree, num_units: int, size: int):
+  """[U, ...] leaves -> ([U//K, K, ...], [U%K, ...]) leaves."""
+  full = num_units // size
+  cut = full * size
+  main = jax.tree_util.tree_map(lambda a: a[:cut].reshape((full, size) + a.shape[1:]), tree)
+  tail = jax.tree_util.tree_map(lambda a: a[cut:], tree)
+  return main, tail
+
+
+def run_units(unit: Unit, x, xs, num_units: int, policy: Policy):
+  """Runs U units in order as ``policy`` says: the per-layer rule inside, segments outside.
+
+  Args:
+    unit: ``unit(rule, prevent_cse)`` builds one unit's step ``step(x, xs_u)
+      -> (x, ys_u)`` with ``rule`` applied to each layer in it
+      (:func:`layer_unit` for a plain stack).
+    x: the carry (the activations). With U == 1 the unit may change its shape.
+    xs: a pytree of per-unit inputs stacked ``[U, ...]`` (may be empty).
+    num_units: U.
+    policy: the policy; its segment sizes and mix counts count units. A
+      segment larger than U is one segment of U (the front doors check the
+      size first unless told not to).
+
+  Returns:
+    ``(x, ys)`` as from ``lax.scan``: ``ys`` stacked ``[U, ...]``.
+  """
+  if unrolled_active():  # the measuring reference: the user's loop, no checkpoint
+    return run_unrolled(unit(None, True), x, xs, num_units)
+  if policy.mixed:
+    return _run_mix(unit, x, xs, num_units, policy)
+  layer_rule = policy._layer_policy()
+  # `none` keeps what no fusion could rebuild cheaply: see remat/layout.py for why and the bytes.
+  rule = layer_rule or lean_saveable
+  size = policy.segment_size(num_units)
+  if num_units == 1:
+    if size is not None:  # one segment of one unit: saves only its input
+      body = jax.checkpoint(unit(layer_rule, True), policy=_nothing, prevent_cse=True)
+    else:
+      body = unit(rule, True)
+    return _run_one(body, x, xs)
+  if size is None:
+    # prevent_cse=False is safe only inside a loop that stays a loop; XLA inlines length-1 ones.
+    return jax.lax.scan(unit(rule, False), x, xs)
+  full, rest = divmod(num_units, size)
+  main, tail = _split_stacked(xs, num_units, size)
+
+  def segment(length: int, prevent_cse: bool) -> Callable:
+    run = lambda x, seg_xs: jax.lax.scan(unit(rule, length == 1), x, seg_xs)
+    return jax.checkpoint(run, policy=_nothing, prevent_cse=prevent_cse)
+
+  # Segments are a loop even when there is one (a `stage`), so that with
+  # CPU_COMPILER_OPTIONS the CPU backend keeps its checkpoint too.
+  x, ys = jax.lax.scan(segment(size, prevent_cse=full == 1), x, main)
+  ys = jax.tree_util.tree_map(lambda a: a.reshape((full * size,) + a.shape[2:]), ys)
+  if rest:
+    x, ys_rest = jax.lax.scan(segment(rest, prevent_cse=True), x, _add_axis(tail))
+    ys = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b[0]]), ys, ys_rest)
+  return x, ys
+
+
+def _run_mix(unit: Unit, x, xs, num_units: int, policy: Policy):
+  """A mix: consecutive runs of units, each a :func:`run_units` under its own part.
+
+  Each run reads its slice of the stacked ``xs``, so the parameter tree is the
+  same as under any other policy; the price is that XLA assembles the stack's
+  gradient from the runs' pieces, a copy the size of the stack's parameters
+  (as for a remainder segment), which the compiled plan shows.
+  """
+  start, outs = 0, []
+  for count, part in policy.layer_split(num_units):
+    run_xs = jax.tree_util.tree_map(lambda a, s=start, c=count: a[s:s + c], xs)
+    x, ys = run_units(unit, x, run_xs, count, part)
+    outs.append(ys)
+    start += count
+  if len(outs) == 1:
+    return x, outs[0]
+  return x, jax.tree_util.tree_map(lambda *a: jnp.concatenate(a), *outs)
+
