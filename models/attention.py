@@ -68,7 +68,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from models.layers import MAX_BACKWARD_CHUNKS, bernoulli, bernoulli_block, fused_bits_ok
-from remat.fused_update import read_after
+from remat import read_after
 
 IMPLEMENTATIONS = ('auto', 'dense', 'blockwise', 'cudnn')
 

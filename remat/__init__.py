@@ -22,7 +22,7 @@ See where the memory of one policy goes (what is live when, and at the peak)::
 
 from remat import eqx  # imports Equinox only when called
 from remat.explaining import Explanation, explain
-from remat.fused_update import FusedUpdate, FusedUpdateError, fused_update, read_after
+from remat.update_in_backward import FusedUpdate, FusedUpdateError, fused_update, read_after
 from remat.param_layout import LayoutError, stack_layers, unstack_layers
 from remat.measuring import Measurement, Report, TrainStep, measure
 from remat.nnx_stack import NNXStack

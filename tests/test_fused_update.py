@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import remat
-from remat.fused_update import FusedUpdateError
+from remat.update_in_backward import FusedUpdateError
 from remat.targets import compiler_options
 
 N, B, D, F = 7, 16, 32, 64
@@ -167,7 +167,7 @@ def test_errors_are_one_line():
 
 
 def test_read_after_ties_only_inside_the_fused_backward():
-  from remat.fused_update import _in_backward
+  from remat.update_in_backward import _in_backward
   x, g = jnp.ones((3, 4)), jnp.full((2,), jnp.nan)
   assert remat.read_after(x, g) is x          # an ordinary step is left as it was
   with _in_backward():
