@@ -26,6 +26,7 @@ from remat.update_in_backward import FusedUpdate, FusedUpdateError, fused_update
 from remat.param_layout import LayoutError, stack_layers, unstack_layers
 from remat.measuring import Measurement, Report, TrainStep, measure
 from remat.nnx_stack import NNXStack
+from remat.patterns import kind_indices
 from remat.policies import (PRESETS, Policy, PolicyError, get_policy, list_policies,
                             policy_names)
 from remat.jax_stack import scan_layers
@@ -36,4 +37,4 @@ __all__ = ['PRESETS', 'Policy', 'PolicyError', 'get_policy', 'list_policies',
            'policy_names', 'LayerStack', 'NNXStack', 'scan_layers', 'StackSignatureError',
            'measure', 'Measurement', 'Report', 'TrainStep', 'explain', 'Explanation',
            'stack_layers', 'unstack_layers', 'LayoutError', 'fused_update', 'FusedUpdate',
-           'FusedUpdateError', 'read_after']
+           'FusedUpdateError', 'read_after', 'kind_indices']

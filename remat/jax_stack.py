@@ -13,9 +13,10 @@ import jax
 
 from remat import patterns
 from remat.policies import Policy
-from remat.stack_checks import (StackSignatureError, check_policy, check_signature, check_stacked,
-                                check_swapped, first_layer, num_stacked, split_output, takes_rng,
-                                trace_layer)
+from remat.stack_checks import (StackSignatureError, check_keywords, check_policy,
+                                check_signature, check_stacked, check_swapped, first_layer,
+                                note_layer_call, num_stacked, per_layer_scalars, split_output,
+                                takes_rng, trace_layer)
 
 _EXPECTS = ('scan_layers calls layer_fn(params, x[, xs_i], *args[, rng=key]) -> y or (y, aux), '
             'with params one slice of stacked_params (and xs_i one of xs)')
@@ -24,7 +25,7 @@ _EXPECTS = ('scan_layers calls layer_fn(params, x[, xs_i], *args[, rng=key]) -> 
 def scan_layers(layer_fn: Callable | Mapping[Hashable, Callable], stacked_params, x, *args,
                 xs=None, policy: Policy | str = 'none', rng: jax.Array | None = None,
                 num_layers: int | None = None, strict: bool = True,
-                pattern: Sequence[Hashable] | None = None):
+                pattern: Sequence[Hashable] | None = None, xs_kwargs: Mapping | None = None):
   """Applies N layers that share one function and have stacked parameters, under ``policy``.
 
   Args:
@@ -42,7 +43,8 @@ def scan_layers(layer_fn: Callable | Mapping[Hashable, Callable], stacked_params
     xs: per-layer inputs, a pytree stacked ``[N, ...]`` (a KV cache, per-layer
       state); layer i gets its slice after ``x``. With a ``pattern``, a mapping
       kind -> ``[n_kind, ...]``. A layer returning ``(y, ys_i)`` gives ``ys``
-      stacked the same way.
+      stacked the same way. A list of N Python numbers (a per-layer rate) is
+      stacked into an array.
     policy: a :class:`~remat.policies.Policy` or a spec such as ``'full@sqrt'``.
     rng: one key; layer i gets the i-th of ``jax.random.split(rng, N)``,
       whatever the segmenting.
@@ -54,6 +56,10 @@ def scan_layers(layer_fn: Callable | Mapping[Hashable, Callable], stacked_params
     pattern: layer i is of kind ``pattern[i % len(pattern)]``, e.g.
       ``('local',) * 5 + ('global',)``; segmentings and mix counts then count
       repeats of the pattern (:mod:`remat.patterns`).
+    xs_kwargs: per-layer inputs passed by keyword, ``{name: stacked [N, ...]}``:
+      layer i is called with ``name=`` its slice (a U-Net block's ``enc=``
+      skip, a per-layer drop rate). Each name must be a keyword parameter of
+      the layer. With a ``pattern``, a mapping kind -> such a mapping.
 
   Returns:
     ``y``, or ``(y, aux)`` with every layer's ``aux`` stacked ``[N, ...]``
@@ -67,9 +73,11 @@ def scan_layers(layer_fn: Callable | Mapping[Hashable, Callable], stacked_params
       arguments included), or a ``num_layers``, ``xs`` or pattern that
       disagrees with the stacked leaves.
   """
+  xs, xs_kwargs = per_layer_scalars(xs), per_layer_scalars(xs_kwargs)
   if pattern is None:
     fns, params, per_layer = {None: layer_fn}, {None: stacked_params}, {None: xs}
-    n = _stack_depth(stacked_params, xs, num_layers)
+    named = {None: xs_kwargs}
+    n = _stack_depth(stacked_params, (xs, xs_kwargs), num_layers)
   else:
     if not (isinstance(layer_fn, Mapping) and isinstance(stacked_params, Mapping)):
       raise StackSignatureError('scan_layers with a pattern takes layer_fn and stacked_params as '
@@ -79,8 +87,13 @@ def scan_layers(layer_fn: Callable | Mapping[Hashable, Callable], stacked_params
     if xs is not None and not (isinstance(xs, Mapping) and set(xs) <= set(layer_fn)):
       raise StackSignatureError('scan_layers with a pattern takes xs as a mapping kind -> '
                                 'inputs stacked [n_kind, ...]')
+    if xs_kwargs is not None and not (isinstance(xs_kwargs, Mapping) and
+                                      set(xs_kwargs) <= set(layer_fn)):
+      raise StackSignatureError('scan_layers with a pattern takes xs_kwargs as a mapping kind -> '
+                                '{name: inputs stacked [n_kind, ...]}')
     fns, params = dict(layer_fn), dict(stacked_params)
     per_layer = {k: None if xs is None else xs.get(k) for k in fns}
+    named = {k: None if xs_kwargs is None else xs_kwargs.get(k) for k in fns}
     counts = {k: num_stacked(params[k], f"stacked_params[{k!r}]") for k in fns}
     n = patterns.layers_for(counts, pattern)
     if num_layers is not None and num_layers != n:
@@ -97,9 +110,14 @@ def scan_layers(layer_fn: Callable | Mapping[Hashable, Callable], stacked_params
     check_stacked(params[kind], counts[kind], what)
     if per_layer[kind] is not None:
       check_stacked(per_layer[kind], counts[kind], what.replace('stacked_params', 'xs'))
+    if named[kind] is not None:
+      check_keywords(fn, named[kind], _EXPECTS)
+      check_stacked(named[kind], counts[kind], what.replace('stacked_params', 'xs_kwargs'))
     kind_keys = None if keys is None or kind is None else keys[index[kind]]
-    step, layer_xs = _plain_step(fn, x, args, per_layer[kind] is not None, n > 1)
-    stacked[kind] = (params[kind], keys if kind is None else kind_keys, per_layer[kind])
+    step, layer_xs = _plain_step(fn, x, args, per_layer[kind] is not None, n > 1,
+                                 tuple(named[kind] or ()))
+    stacked[kind] = (params[kind], keys if kind is None else kind_keys, per_layer[kind],
+                     named[kind])
     steps[kind] = step
     try:
       (_, kind_aux), kind_tags = trace_layer(step, x, first_layer(stacked[kind]))
@@ -109,6 +127,8 @@ def scan_layers(layer_fn: Callable | Mapping[Hashable, Callable], stacked_params
         raise StackSignatureError(
             f'{e} (N={n} was read from the leading axis of {what}; is every leaf stacked '
             '[N, ...]? a per-layer tree is stacked by remat.stack_layers)') from None
+      if not isinstance(e, StackSignatureError):
+        note_layer_call(e, 'scan_layers', fn, per_layer[kind] is not None, named[kind])
       raise
     aux = kind_aux if aux is None else aux
     tags |= kind_tags
@@ -132,16 +152,19 @@ def _stack_depth(stacked_params, xs, num_layers: int | None) -> int:
   raise StackSignatureError('scan_layers needs num_layers when stacked_params and xs are empty')
 
 
-def _plain_step(layer_fn: Callable, x, args: tuple, has_xs: bool, many: bool):
+def _plain_step(layer_fn: Callable, x, args: tuple, has_xs: bool, many: bool,
+                names: tuple = ()):
   """(the scan step of ``layer_fn``, the same step with params and x swapped, for diagnosis)."""
   with_rng = takes_rng(layer_fn)
   rng_kw = {'rng': None} if with_rng else {}
-  check_signature(layer_fn, (None, x) + ((None,) if has_xs else ()) + args, rng_kw, _EXPECTS)
+  check_signature(layer_fn, (None, x) + ((None,) if has_xs else ()) + args,
+                  {**rng_kw, **dict.fromkeys(names)}, _EXPECTS)
 
   def call(first, second, sliced):
-    _, key, xs_i = sliced
+    _, key, xs_i, kw_i = sliced
     more = (xs_i,) if has_xs else ()
-    return layer_fn(first, second, *more, *args, **({'rng': key} if with_rng else {}))
+    return layer_fn(first, second, *more, *args, **(kw_i or {}),
+                    **({'rng': key} if with_rng else {}))
 
   def step(x, sliced):
     out = call(sliced[0], x, sliced)

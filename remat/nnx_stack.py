@@ -19,15 +19,16 @@ blocks in ``stack.layers[kind]``, stacked ``[n_kind, ...]``
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Hashable, Mapping, Sequence
 
 import jax
 from flax import nnx
 
 from remat import patterns
 from remat.policies import Policy
-from remat.stack_checks import (StackSignatureError, check_policy, check_signature, check_stacked,
-                                split_output, takes_rng, trace_layer)
+from remat.stack_checks import (StackSignatureError, check_keywords, check_policy, check_signature,
+                                check_stacked, note_layer_call, per_layer_scalars, split_output,
+                                takes_rng, trace_layer)
 
 _EXPECTS = ('NNXStack calls block(x[, xs_i], *args[, rng=key][, rngs=nnx.Rngs]) -> y or (y, aux), '
             "with args the stack's extra call arguments")
@@ -66,7 +67,7 @@ class NNXStack(nnx.Module):
 
   def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module] | Mapping[str, Callable],
                num_layers: int, policy: Policy | str = 'none', *, rngs: nnx.Rngs,
-               strict: bool = True, pattern: Sequence[str] | None = None):
+               strict: bool = True, pattern: Sequence[Hashable] | None = None):
     """Creates the stack.
 
     Args:
@@ -83,8 +84,11 @@ class NNXStack(nnx.Module):
       strict: check the policy against this stack alone (segment size within
         1..N, tags the block emits); False for a model whose stacks differ in
         depth or tags, see :class:`remat.LayerStack`.
-      pattern: layer i is of kind ``pattern[i % len(pattern)]`` (string kinds);
-        segmentings then count repeats of the pattern (:mod:`remat.patterns`).
+      pattern: layer i is of kind ``pattern[i % len(pattern)]`` (any hashable
+        kinds: strings, enum members); kind k's blocks are ``stack.layers[name]``
+        with name :func:`remat.patterns.kind_name` of k (an enum member's
+        ``name``), and segmentings count repeats of the pattern
+        (:mod:`remat.patterns`).
 
     Raises:
       PolicyError: a bad spec or a segment size outside 1..N.
@@ -97,19 +101,17 @@ class NNXStack(nnx.Module):
         raise StackSignatureError('NNXStack with a pattern takes make_block as a mapping kind -> '
                                   'make_block(rngs)')
       pattern = patterns.check_pattern(pattern, list(make_block), 'NNXStack')
-      if any(not isinstance(k, str) for k in pattern):
-        raise StackSignatureError(f'NNXStack pattern kinds name attributes, so they are strings; '
-                                  f'got {pattern!r:.80}')
+      names = patterns.kind_names(dict.fromkeys(pattern), 'NNXStack')
     self.pattern = pattern
     self.policy = check_policy(policy, patterns.num_units(pattern, num_layers) if strict else None)
     if pattern is None:
       self.layers = _create(make_block, num_layers, rngs)
     else:
       counts = patterns.kind_counts(pattern, num_layers)
-      self.layers = nnx.Dict({k: _create(make_block[k], counts[k], rngs) for k in counts})
+      self.layers = nnx.Dict({names[k]: _create(make_block[k], counts[k], rngs) for k in counts})
 
   def __call__(self, x, *args, xs=None, rng: jax.Array | None = None,
-               rngs: nnx.Rngs | None = None):
+               rngs: nnx.Rngs | None = None, xs_kwargs=None):
     """Runs the stack.
 
     Args:
@@ -122,6 +124,10 @@ class NNXStack(nnx.Module):
       rngs: an ``nnx.Rngs`` for blocks that take ``rngs`` at call time: one key
         is drawn from each of its streams and split N ways, so layer i gets
         ``nnx.Rngs`` of the i-th keys, whatever the segmenting.
+      xs_kwargs: per-layer inputs passed by keyword, ``{name: stacked [N, ...]}``
+        (a list of N numbers is stacked into an array); with a pattern, a
+        mapping kind -> such a mapping. Each name must be a keyword parameter
+        of the block.
 
     Returns:
       ``y``, or ``(y, aux)`` with every block's ``aux`` stacked ``[N, ...]``
@@ -134,14 +140,21 @@ class NNXStack(nnx.Module):
         ``xs`` not stacked ``[N, ...]`` (an unstacked state loaded into the stack).
     """
     n, policy, pattern = self.num_layers, self.policy, self.pattern
+    xs, xs_kwargs = per_layer_scalars(xs), per_layer_scalars(xs_kwargs)
     if pattern is None:
       modules, per_layer, counts = {None: self.layers}, {None: xs}, {None: n}
+      named = {None: xs_kwargs}
     else:
       if xs is not None and not isinstance(xs, Mapping):
         raise StackSignatureError('NNXStack with a pattern takes xs as a mapping kind -> inputs '
                                   'stacked [n_kind, ...]')
-      modules = dict(self.layers.items())
+      modules = {k: self.layers[patterns.kind_name(k)] for k in dict.fromkeys(pattern)}
       per_layer = {k: None if xs is None else xs.get(k) for k in modules}
+      if xs_kwargs is not None and not (isinstance(xs_kwargs, Mapping)
+                                        and set(xs_kwargs) <= set(modules)):
+        raise StackSignatureError('NNXStack with a pattern takes xs_kwargs as a mapping kind -> '
+                                  '{name: inputs stacked [n_kind, ...]}')
+      named = {k: None if xs_kwargs is None else xs_kwargs.get(k) for k in modules}
       counts = patterns.kind_counts(pattern, n)
     keys = None if rng is None else jax.random.split(rng, n)
     streams = None
@@ -157,19 +170,29 @@ class NNXStack(nnx.Module):
       if rngs is not None and not with_rngs:
         raise StackSignatureError(f'{_EXPECTS}; rngs= was given but {type(module).__name__}'
                                   '.__call__ has no parameter named rngs')
-      kw = {**({'rng': None} if with_rng else {}), **({'rngs': None} if with_rngs else {})}
+      kw = {**({'rng': None} if with_rng else {}), **({'rngs': None} if with_rngs else {}),
+            **dict.fromkeys(named[k] or ())}
+      if named[k] is not None:
+        check_keywords(call, named[k], _EXPECTS)
       check_signature(call, (None, x) + ((None,) if per_layer[k] is not None else ()) + args, kw,
                       _EXPECTS)
       graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-      where = 'stack.layers' if k is None else f'stack.layers[{k!r}]'
+      where = 'stack.layers' if k is None else f'stack.layers[{patterns.kind_name(k)!r}]'
       check_stacked(params, counts[k], f'{where} params')
       check_stacked(rest, counts[k], f'{where} state')
       if per_layer[k] is not None:
         check_stacked(per_layer[k], counts[k], 'xs' if k is None else f'xs[{k!r}]')
+      if named[k] is not None:
+        check_stacked(named[k], counts[k], 'xs_kwargs' if k is None else f'xs_kwargs[{k!r}]')
       steps[k] = _step(graphdef, args, with_rng, with_rngs, per_layer[k] is not None, n > 1)
-      stacked[k] = (params, rest, pick(keys, k), pick(streams, k), per_layer[k])
-      (_, (kind_aux, _)), kind_tags = trace_layer(
-          steps[k], x, jax.tree_util.tree_map(lambda a: a[0], stacked[k]))
+      stacked[k] = (params, rest, pick(keys, k), pick(streams, k), per_layer[k], named[k])
+      try:
+        (_, (kind_aux, _)), kind_tags = trace_layer(
+            steps[k], x, jax.tree_util.tree_map(lambda a: a[0], stacked[k]))
+      except Exception as e:
+        if not isinstance(e, StackSignatureError):
+          note_layer_call(e, 'NNXStack', call, per_layer[k] is not None, named[k])
+        raise
       aux = kind_aux if aux is None else aux
       tags |= kind_tags
     if self.strict and policy.uses_tags:
@@ -188,9 +211,9 @@ class NNXStack(nnx.Module):
 def _step(graphdef, args, with_rng: bool, with_rngs: bool, has_xs: bool, many: bool):
   """One block, merged from its slice of the stacked state, called on ``x``."""
   def step(x, sliced):
-    layer_params, layer_rest, key, stream_keys, xs_i = sliced
+    layer_params, layer_rest, key, stream_keys, xs_i, kw_i = sliced
     block = nnx.merge(graphdef, layer_params, layer_rest)
-    kwargs = {'rng': key} if with_rng else {}
+    kwargs = {**(kw_i or {}), **({'rng': key} if with_rng else {})}
     if with_rngs:
       kwargs['rngs'] = None if stream_keys is None else nnx.Rngs(**stream_keys)
     out = block(x, *((xs_i,) if has_xs else ()), *args, **kwargs)

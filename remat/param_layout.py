@@ -18,11 +18,13 @@ are kept once.
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Sequence
+from typing import Any, Hashable, Mapping, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from remat.patterns import kind_indices
 
 
 class LayoutError(ValueError):
@@ -79,7 +81,7 @@ def _layers_of(layers, prefix: str | None) -> list:
 
 
 def stack_layers(layers: Sequence[Any] | Mapping[Any, Any], *, prefix: str | None = None,
-                 axis_name: str = 'layers'):
+                 axis_name: str | None = 'layers', pattern: Sequence[Hashable] | None = None):
   """Stacks N per-layer trees into one tree whose leaves are ``[N, ...]``.
 
   Args:
@@ -90,15 +92,43 @@ def stack_layers(layers: Sequence[Any] | Mapping[Any, Any], *, prefix: str | Non
       layer 0.
     prefix: take only the keys ``prefix<i>`` of a mapping that holds others too
       (``prefix='encoderblock_'`` on a ViT encoder's params).
-    axis_name: the logical name of the new axis on partitioned leaves.
+    axis_name: the name of the new axis on partitioned leaves (None for
+      ``nn.with_partitioning``'s mesh axis names, as ``LayerStack(partition_name=None)``).
+    pattern: the layers' repeating pattern of kinds, as given to the stack
+      (``('local',) * 5 + ('global',)``): the layers of each kind are stacked
+      apart, in order (layer ``remat.kind_indices(pattern, N)[kind][j]`` is
+      the kind's slice j).
 
   Returns:
-    The stacked tree, with layer 0's structure.
+    The stacked tree, with layer 0's structure; with a pattern, a dict kind ->
+    the stacked tree of that kind's layers.
 
   Raises:
     LayoutError: one line naming the layer and leaf that do not match.
   """
   trees = _layers_of(layers, prefix)
+  if pattern is not None:
+    index = kind_indices(_pattern(pattern), len(trees))
+    out = {}
+    for kind, layer_numbers in index.items():
+      try:
+        out[kind] = _stack([trees[i] for i in layer_numbers], axis_name)
+      except LayoutError as e:
+        raise LayoutError(f'{e} (among the layers of kind {kind!r}: '
+                          f'{", ".join(map(str, layer_numbers[:8]))}...)') from None
+    return out
+  return _stack(trees, axis_name)
+
+
+def _pattern(pattern) -> tuple:
+  if isinstance(pattern, (str, bytes)) or not isinstance(pattern, Sequence) or not pattern:
+    raise LayoutError(f"pattern must be a non-empty sequence of kinds such as ('local',) * 5 + "
+                      f"('global',), got {pattern!r:.60}")
+  return tuple(pattern)
+
+
+def _stack(trees: list, axis_name: str | None):
+  """The trees (one per layer, alike) stacked ``[N, ...]``; the layer numbers are list positions."""
   flat0, treedef = jax.tree_util.tree_flatten(trees[0], is_leaf=_is_box)
   columns = [[leaf] for leaf in flat0]
   paths = [jax.tree_util.keystr(p) for p, _ in
@@ -133,12 +163,16 @@ def stack_layers(layers: Sequence[Any] | Mapping[Any, Any], *, prefix: str | Non
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def unstack_layers(stacked, *, prefix: str | None = None):
+def unstack_layers(stacked, *, prefix: str | None = None,
+                   pattern: Sequence[Hashable] | None = None):
   """Splits a tree stacked ``[N, ...]`` into N per-layer trees (inverse of :func:`stack_layers`).
 
   Args:
-    stacked: a tree whose array leaves all have the same leading axis N.
+    stacked: a tree whose array leaves all have the same leading axis N; with
+      a pattern, a mapping kind -> the stacked tree of that kind's layers.
     prefix: if given, return ``{f'{prefix}{i}': tree_i}`` instead of a list.
+    pattern: the stack's repeating pattern of kinds; the layers come back in
+      model order, interleaved as the pattern says.
 
   Returns:
     A list of N trees, or a dict keyed ``prefix<i>``. Partitioned leaves lose
@@ -147,6 +181,28 @@ def unstack_layers(stacked, *, prefix: str | None = None):
   Raises:
     LayoutError: leaves whose leading axes differ, or a tree without arrays.
   """
+  if pattern is not None:
+    pattern = _pattern(pattern)
+    if not isinstance(stacked, Mapping) or set(stacked) != set(pattern):
+      raise LayoutError(f'unstack_layers with a pattern takes a mapping kind -> stacked tree with '
+                        f'the kinds {", ".join(map(repr, dict.fromkeys(pattern)))}')
+    per_kind = {k: _unstack(stacked[k]) for k in stacked}
+    n = sum(len(v) for v in per_kind.values())
+    index = kind_indices(pattern, n)
+    if any(len(index[k]) != len(per_kind[k]) for k in per_kind):
+      counts = ', '.join(f'{k!r}: {len(v)}' for k, v in per_kind.items())
+      raise LayoutError(f'unstack_layers: the pattern {pattern!r:.60} over {n} layers does not give '
+                        f'the stacked layers of each kind ({counts})')
+    trees = [None] * n
+    for k, layer_numbers in index.items():
+      for j, i in enumerate(layer_numbers):
+        trees[i] = per_kind[k][j]
+  else:
+    trees = _unstack(stacked)
+  return trees if prefix is None else {f'{prefix}{i}': t for i, t in enumerate(trees)}
+
+
+def _unstack(stacked) -> list:
   flat, treedef = jax.tree_util.tree_flatten(stacked, is_leaf=_is_box)
   paths = [jax.tree_util.keystr(p) for p, _ in
            jax.tree_util.tree_flatten_with_path(stacked, is_leaf=_is_box)[0]]
@@ -176,5 +232,4 @@ def unstack_layers(stacked, *, prefix: str | None = None):
       else:
         out.append(value[i])
     return jax.tree_util.tree_unflatten(treedef, out)
-  trees = [layer(i) for i in range(n)]
-  return trees if prefix is None else {f'{prefix}{i}': t for i, t in enumerate(trees)}
+  return [layer(i) for i in range(n)]

@@ -23,7 +23,9 @@ The parameter tree is the same under every policy: only the steps reshape it.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
+import enum
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import jax
@@ -41,6 +43,10 @@ def check_pattern(pattern: Sequence[Hashable], kinds: Sequence[Hashable], what: 
     raise StackSignatureError(f'{what}: pattern must be a non-empty sequence of layer kinds '
                               f"such as ('local',) * 5 + ('global',), got {pattern!r:.60}")
   pattern = tuple(pattern)
+  for k in pattern:
+    if not isinstance(k, collections.abc.Hashable):
+      raise StackSignatureError(f'{what}: pattern kinds must be hashable (strings, enum members), '
+                                f'got {type(k).__name__} {k!r:.40}')
   missing = [k for k in dict.fromkeys(pattern) if k not in kinds]
   unused = [k for k in kinds if k not in pattern]
   if missing or unused:
@@ -53,6 +59,32 @@ def check_pattern(pattern: Sequence[Hashable], kinds: Sequence[Hashable], what: 
 
 def _names(kinds) -> str:
   return ', '.join(repr(k) for k in kinds)
+
+
+def kind_name(kind: Hashable) -> str:
+  """The name a kind's variables are stored under: a string itself, an enum member its ``name``.
+
+  Any other hashable kind is named ``str(kind)``. The linen and NNX stacks
+  store each kind's stacked variables under this name (``<stack>/<name>``,
+  ``stack.layers[name]``); the plain-JAX front door keys by the kinds themselves.
+  """
+  if isinstance(kind, str):
+    return kind
+  if isinstance(kind, enum.Enum):
+    return kind.name
+  return str(kind)
+
+
+def kind_names(kinds, what: str) -> dict[Hashable, str]:
+  """Each kind's :func:`kind_name`, checked to be distinct; one-line error otherwise."""
+  names = {k: kind_name(k) for k in kinds}
+  seen = {}
+  for k, name in names.items():
+    if name in seen:
+      raise StackSignatureError(f'{what}: kinds {seen[name]!r} and {k!r} are both named '
+                                f"{name!r}; give the kinds distinct names (strings or enum members)")
+    seen[name] = k
+  return names
 
 
 def kind_counts(pattern: tuple, num_layers: int) -> dict[Hashable, int]:
@@ -83,10 +115,20 @@ def num_units(pattern: tuple | None, num_layers: int) -> int:
   return -(-num_layers // len(pattern))
 
 
-def kind_indices(pattern: tuple, num_layers: int) -> dict[Hashable, np.ndarray]:
-  """Layer numbers of each kind, in order (to hand layer i's dropout key to its kind)."""
+def kind_indices(pattern: Sequence[Hashable], num_layers: int) -> dict[Hashable, np.ndarray]:
+  """Which layer of the stack each kind's slice i is: ``{kind: layer numbers, in order}``.
+
+  Layer ``i`` is of kind ``pattern[i % len(pattern)]``, and a kind's stacked
+  parameters hold its layers in stack order, so the kind's slice ``j`` is
+  layer ``kind_indices(pattern, N)[kind][j]`` of the model. For Gemma 3's
+  pattern over 12 layers: ``{'local': [0 1 2 3 4 6 7 8 9 10], 'global': [5 11]}``.
+  :func:`remat.stack_layers` with ``pattern=`` uses it to stack a per-layer
+  checkpoint by kind.
+  """
+  pattern = tuple(pattern)
   kinds = [pattern[i % len(pattern)] for i in range(num_layers)]
-  return {k: np.array([i for i, kk in enumerate(kinds) if kk == k]) for k in dict.fromkeys(pattern)}
+  return {k: np.array([i for i, kk in enumerate(kinds) if kk == k], dtype=np.int64)
+          for k in dict.fromkeys(pattern)}
 
 
 def run_stack(steps: Callable | Mapping[Hashable, Callable], x, xs, num_layers: int,

@@ -200,6 +200,10 @@ class Policy:
   parts: tuple[tuple[int | None, 'Policy'], ...] = ()
   preset: str = ''
 
+  def __str__(self) -> str:
+    """The spec, as written in ``--remat`` or passed to :func:`get_policy` (``'full@sqrt'``)."""
+    return self.spec
+
   @property
   def remat_layers(self) -> bool:
     """True when each layer is wrapped in ``jax.checkpoint``."""

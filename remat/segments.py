@@ -40,6 +40,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from remat import shared_outputs
 from remat.layout import lean_saveable, run_unrolled, unrolled_active
 from remat.policies import Policy
 
@@ -116,6 +117,9 @@ def run_units(unit: Unit, x, xs, num_units: int, policy: Policy):
     return _run_one(body, x, xs)
   if size is None:
     # prevent_cse=False is safe only inside a loop that stays a loop; XLA inlines length-1 ones.
+    shares = shared_outputs.shared_leaves(unit(None, True), x, _first(xs))
+    if shares:  # per-layer outputs that are the carry: kept once (remat/shared_outputs.py)
+      return shared_outputs.scan(unit(rule, False), x, xs, num_units, shares)
     return jax.lax.scan(unit(rule, False), x, xs)
   full, rest = divmod(num_units, size)
   main, tail = _split_stacked(xs, num_units, size)

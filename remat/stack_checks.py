@@ -10,7 +10,7 @@ linen, NNX, plain-JAX and Equinox front doors share them.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,74 @@ def check_signature(fn: Callable, args: tuple, kwargs: dict, expects: str) -> No
   try:
     sig.bind(*args, **kwargs)
   except TypeError as e:
-    raise StackSignatureError(f'{expects}; {_name(fn)}{sig} does not fit: {e}') from None
+    raise StackSignatureError(f'{expects}; {_name(fn)}{sig} does not fit: {e}; '
+                              f'{adapter_hint(fn, expects)}') from None
+
+
+def adapter_hint(fn: Callable, expects: str) -> str:
+  """How to fit a layer of another signature: a wrapper in the stack's order, one line."""
+  call = expects.split(' calls ', 1)[-1].split(' ->', 1)[0]   # e.g. 'layer_fn(params, x[, xs_i], ...)'
+  order = call[call.index('(') + 1:call.rindex(')')] if '(' in call else '...'
+  return (f'adapt it with a wrapper that takes the stack\'s order ({order}) and calls '
+          f'{_name(fn)} in its own, returning (y, aux) with y shaped like x; a per-layer input '
+          'that the layer takes by keyword goes in xs_kwargs={name: stacked}')
+
+
+def per_layer_scalars(tree):
+  """Per-layer Python numbers as arrays: ``[0.0, 0.05, 0.1]`` (a stochastic-depth ramp) -> ``[N]``.
+
+  A list or tuple of N Python numbers cannot be sliced per layer as it is (it
+  is N leaves, not one stacked one), so it becomes one float32 (or int32)
+  array; every other leaf is left as it is.
+  """
+  def numbers(a):
+    return (isinstance(a, (list, tuple)) and len(a) > 0
+            and all(isinstance(v, (bool, int, float)) for v in a))
+  return jax.tree_util.tree_map(lambda a: jnp.asarray(a) if numbers(a) else a, tree,
+                                is_leaf=numbers)
+
+
+def check_keywords(fn: Callable, names, expects: str, reserved=('rng', 'rngs')) -> None:
+  """Raises :class:`StackSignatureError` unless ``fn`` takes each of ``names`` by keyword.
+
+  The names are those of ``xs_kwargs``: per-layer inputs a layer receives as
+  keyword arguments (a U-Net block's ``enc=`` skip).
+  """
+  if not isinstance(names, Mapping):
+    raise StackSignatureError(f'{expects}; xs_kwargs must be a mapping name -> inputs stacked '
+                              f'[N, ...], got {type(names).__name__}')
+  bad = [n for n in names if not isinstance(n, str) or n in reserved]
+  if bad:
+    raise StackSignatureError(f'{expects}; xs_kwargs names {bad[0]!r}, which is not a usable '
+                              f'keyword ({", ".join(reserved)} are the stack\'s own)')
+  try:
+    params = inspect.signature(fn).parameters
+  except (TypeError, ValueError):
+    return
+  if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+    return
+  by_keyword = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+  missing = [n for n in names if n not in by_keyword]
+  if missing:
+    raise StackSignatureError(
+        f'{expects}; xs_kwargs names {missing[0]!r}, which {_name(fn)} does not take by keyword '
+        f'(its keyword parameters: {", ".join(by_keyword) or "none"})')
+
+
+def note_layer_call(error: Exception, door: str, fn: Callable, has_xs: bool, names) -> None:
+  """Adds to an error raised inside a layer how the stack called it, so it names the stack.
+
+  A per-layer input bound to the wrong parameter (a skip meant for the keyword
+  ``enc=`` landing on the next positional one) fails deep inside the layer,
+  with a message about shapes that never says a stack is involved.
+  """
+  if not hasattr(error, 'add_note'):  # Python < 3.11
+    return
+  more = ', xs_i' if has_xs else ''
+  kw = ''.join(f', {n}=<slice i>' for n in (names or ()))
+  error.add_note(f'remat: raised in layer 0 of {door}, called as {_name(fn)}(..., x{more}, *args'
+                 f'{kw}); a per-layer input the layer takes by keyword goes in '
+                 'xs_kwargs={name: stacked}, not xs')
 
 
 def takes_rng(fn: Callable) -> bool:
@@ -58,13 +125,22 @@ def split_output(out, x, expects: str, *, same_shape: bool):
     y, aux = out
   else:
     raise StackSignatureError(f'{expects}; the layer returned {_describe(out)} for x of '
-                              f'{_describe(x)}')
+                              f'{_describe(x)}{_swap_hint(out, x)}')
   if same_shape:
     got, want = _describe(y), _describe(x)
     if got != want:
       raise StackSignatureError(f'{expects}; the layer returned y of {got} for x of {want} '
-                                '(only a one-layer stack may change the shape)')
+                                f'(only a one-layer stack may change the shape){_swap_hint(out, x)}')
   return y, aux
+
+
+def _swap_hint(out, x) -> str:
+  """A hint when the layer returns (aux, y): its second value, not its first, is shaped like x."""
+  if isinstance(out, tuple) and len(out) == 2 and _describe(out[1]) == _describe(x) \
+      and _describe(out[0]) != _describe(x):
+    return ('; its second value is shaped like x: it returns (aux, y), and the stack wants '
+            '(y, aux), e.g. a wrapper returning block(...)[::-1]')
+  return ''
 
 
 def _describe(tree) -> str:
