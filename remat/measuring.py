@@ -86,10 +86,14 @@ class Report:
     target: the :class:`remat.targets.Target` compiled for.
     baseline: the row every ratio is to: ``none``, or the label of the user's
       untouched function when ``measure(..., reference=fn)`` measured one.
+    reference_own_args: True when the reference was measured on its own
+      arguments (``reference_args``: its own parameter tree), False when on the
+      policies' example arguments.
   """
   results: dict[str, Measurement]
   target: Target
   baseline: str = 'none'
+  reference_own_args: bool = False
 
   @property
   def timed(self) -> bool:
@@ -102,11 +106,19 @@ class Report:
 
   def rows(self) -> list[dict]:
     """One JSON-ready row per policy (:func:`remat.table.rows`)."""
-    return table_rows(self.results, self.baseline)
+    out = table_rows(self.results, self.baseline)
+    for r in out:
+      r['arguments'] = ('reference_args' if r['policy'] == self.baseline and
+                        self.reference_own_args else 'example_args')
+    return out
 
   def table(self, header: str | None = None) -> str:
     """The text table the reports print (:func:`remat.table.format_table`)."""
     header = header or f'# target {self.target.name} ({self.target.description})'
+    if self.baseline != 'none':
+      where = ('its own arguments (reference_args)' if self.reference_own_args
+               else 'the example arguments')
+      header += f"\n# '{self.baseline}' measured on {where}; the policies on the example arguments"
     return format_table(self.rows(), header, self.timed)
 
 
@@ -224,7 +236,8 @@ def measure(build: Callable[[Policy], Any], *example_args,
             policies: Sequence[str | Policy] = DEFAULT_POLICIES,
             target: Target | str = 'cpu', time: bool = False, time_steps: int = 5,
             num_layers: int | None = None, progress: bool = False, reference: Any = None,
-            reference_label: str = 'reference') -> Report:
+            reference_label: str = 'reference',
+            reference_args: Sequence[Any] | None = None) -> Report:
   """Compiles and measures ``build(policy)`` for every policy; ``none`` is always measured first.
 
   With ``reference`` (your model as it was, before any stack or policy), that
@@ -246,10 +259,15 @@ def measure(build: Callable[[Policy], Any], *example_args,
     time_steps: timed calls per policy.
     num_layers: if given, ``seg:K`` specs are checked against it.
     progress: a tqdm progress bar on stderr.
-    reference: the untouched program, a loss or :class:`TrainStep` taking the
-      same ``example_args``; its row comes first and every ratio (temp, peak,
-      FLOPs, time) is to it.
+    reference: the untouched program, a loss or :class:`TrainStep`; its row
+      comes first and every ratio (temp, peak, FLOPs, time) is to it. It takes
+      ``example_args`` unless ``reference_args`` says otherwise.
     reference_label: the reference's row label.
+    reference_args: the reference's own arguments (arrays or
+      ``jax.ShapeDtypeStruct``), when they differ from the stacked model's: your
+      untouched model on its own, per-layer parameter tree, exactly as you
+      wrote it (no adapter that stacks or unstacks, which would change its
+      plan). The report says which arguments each row used.
 
   Returns:
     A :class:`Report`: ``results`` per spec, ``front``, ``rows()``, ``table()``.
@@ -267,6 +285,11 @@ def measure(build: Callable[[Policy], Any], *example_args,
   todo = resolve_policies(policies, tags, num_layers)
   if reference is not None and reference_label in {p.spec for p in todo}:
     raise ValueError(f"reference_label '{reference_label}' is also a policy's spec; choose another")
+  if reference_args is not None and reference is None:
+    raise ValueError('reference_args were given without a reference to measure on them')
+  if reference_args is not None and not isinstance(reference_args, (tuple, list)):
+    raise TypeError(f'reference_args must be a tuple of the reference\'s arguments, got '
+                    f'{type(reference_args).__name__}')
   todo = ([(reference_label, reference)] if reference is not None else []) + [
       (p.spec, p) for p in todo]
   if progress:
@@ -274,7 +297,10 @@ def measure(build: Callable[[Policy], Any], *example_args,
     todo = tqdm(todo, desc='compiling', unit='program', file=sys.stderr)
   results = {}
   for label, policy in todo:
-    program = policy if label == reference_label and reference is not None else build(policy)
-    results[label] = measure_policy(program, *example_args, spec=label, target=target,
+    is_ref = label == reference_label and reference is not None
+    program = policy if is_ref else build(policy)
+    args = tuple(reference_args) if is_ref and reference_args is not None else example_args
+    results[label] = measure_policy(program, *args, spec=label, target=target,
                                     time=time, time_steps=time_steps)
-  return Report(results, target, reference_label if reference is not None else 'none')
+  return Report(results, target, reference_label if reference is not None else 'none',
+                reference_args is not None)

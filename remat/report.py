@@ -7,8 +7,9 @@ of arrays or ``jax.ShapeDtypeStruct``. The module is imported by name, so run
 from the directory that holds it (``-m`` puts the current directory on the
 path). Compile only unless ``--time``; figures are defined in docs/measuring.md.
 ``--reference package.module:factory`` names your untouched model: ``factory()``
-returns its loss (or TrainStep) on the same example arguments; it is the first
-row and every ratio is to it.
+returns its loss (or TrainStep) on the same example arguments, or ``(loss,
+own_args)`` to measure it on its own arguments (its own, per-layer parameter
+tree); it is the first row and every ratio is to it.
 The shipped models have their own report: ``python -m bench.report``.
 """
 
@@ -53,17 +54,21 @@ def _import_factory(text: str, flag: str) -> tuple[Callable, str]:
 
 
 def load_reference(text: str):
-  """Imports ``package.module:factory`` and returns ``factory()``: the untouched loss or TrainStep.
+  """Imports ``package.module:factory``: ``(the untouched loss or TrainStep, its own args or None)``.
 
   Raises:
     FnError: one line saying which part is wrong.
   """
   factory, attr = _import_factory(text, '--reference')
   made = factory()
+  own = None
+  if isinstance(made, tuple) and len(made) == 2 and isinstance(made[1], (tuple, list)):
+    made, own = made[0], tuple(made[1])
   if not (callable(made) or isinstance(made, TrainStep)):
     raise FnError(f"--reference '{text}': {attr}() must return the untouched loss function (or a "
-                  f'TrainStep) taking the example arguments of --fn, got {type(made).__name__}')
-  return made
+                  'TrainStep) taking the example arguments of --fn, or (loss, its own args), got '
+                  f'{type(made).__name__}')
+  return made, own
 
 
 def load_factory(text: str) -> tuple[Callable, tuple]:
@@ -142,9 +147,10 @@ def main(argv=None) -> int:
     kind = 'train step' if isinstance(build(_none()), TrainStep) else 'value_and_grad of loss'
     header = (f'# {kind}, {args.fn}, target {target.name} ({target.description}), compile only'
               f'{" + timed on the local backend" if args.time else ""} (jax {jax.__version__})')
-    reference = load_reference(args.reference) if args.reference else None
+    reference, reference_args = load_reference(args.reference) if args.reference else (None, None)
     report = measure(build, *example_args, policies=parse_specs(args.policies), target=target,
-                     time=args.time, progress=True, reference=reference)
+                     time=args.time, progress=True, reference=reference,
+                     reference_args=reference_args)
   except (PolicyError, TargetError, ValueError) as e:
     print(f'{PROG}: error: {e}', file=sys.stderr)
     return 2

@@ -99,7 +99,27 @@ def test_reference_is_the_first_row_and_every_ratio_is_to_it():
     assert rows[spec]['peak_ratio'] == m.memory.peak / ref.memory.peak
     assert rows[spec]['recompute_ratio'] == m.flops.flops / ref.flops.flops
   lines = report.table().splitlines()
-  assert 'temp/ref' in lines[1] and 'peak/ref' in lines[1] and 'mem/none' not in lines[1]
-  assert [line.split()[0] for line in lines[2:]] == ['reference', 'none', 'full']
+  assert "# 'reference' measured on the example arguments" in lines[1]
+  assert 'temp/ref' in lines[2] and 'peak/ref' in lines[2] and 'mem/none' not in lines[2]
+  assert [line.split()[0] for line in lines[3:]] == ['reference', 'none', 'full']
   # Without a reference nothing changes: none is the first row and the baseline.
   assert remat.measure(user_mlp.build, *user_mlp.example_args(), policies=[]).baseline == 'none'
+
+
+def test_reference_on_its_own_tree():
+  """reference_args: the untouched model is measured exactly as written, on its own parameter tree."""
+  from remat.measuring import step_memory
+  own = user_mlp.own_args()
+  report = remat.measure(user_mlp.build, *user_mlp.example_args(), policies=['full'],
+                         reference=user_mlp.untouched_own, reference_args=own)
+  ref = report.results['reference']
+  assert ref.memory == step_memory(user_mlp.untouched_own, *own)
+  # The same program on the stacked tree (a loop that slices it) is another compiled program.
+  assert ref.flops.flops == report.results['none'].flops.flops - 2 * B * D * H
+  rows = {r['policy']: r for r in report.rows()}
+  assert rows['reference']['arguments'] == 'reference_args'
+  assert rows['full']['arguments'] == 'example_args'
+  assert rows['full']['memory_ratio'] == report.results['full'].memory.temp / ref.memory.temp
+  assert "'reference' measured on its own arguments (reference_args)" in report.table()
+  with pytest.raises(ValueError, match='without a reference'):
+    remat.measure(user_mlp.build, *user_mlp.example_args(), reference_args=own)

@@ -31,10 +31,20 @@ def test_reference_is_the_first_row(capsys):
   assert report.main(['--fn', 'user_mlp:factory', '--policies', 'full',
                       '--reference', 'user_mlp:reference']) == 0
   lines = capsys.readouterr().out.splitlines()
-  assert 'temp/ref' in lines[1]
-  assert [l.split()[0] for l in lines[2:5]] == ['reference', 'none', 'full']
-  row = lines[2].split()
+  assert "'reference' measured on the example arguments" in lines[1]
+  assert 'temp/ref' in lines[2]
+  assert [l.split()[0] for l in lines[3:6]] == ['reference', 'none', 'full']
+  row = lines[3].split()
   assert row[row.index('100.0%'):][:3] == ['100.0%', '100.0%', '1.000x']   # temp, peak, flops
+
+
+def test_reference_on_its_own_arguments(capsys):
+  """A --reference factory returning (loss, its own args): the untouched model on its own tree."""
+  assert report.main(['--fn', 'user_mlp:factory', '--policies', 'full',
+                      '--reference', 'user_mlp:reference_own']) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert "'reference' measured on its own arguments (reference_args)" in lines[1]
+  assert [l.split()[0] for l in lines[3:6]] == ['reference', 'none', 'full']
 
 
 @pytest.mark.parametrize('ref,needle', [

@@ -40,6 +40,27 @@ def reference():
   return untouched
 
 
+def untouched_own(layers, x):
+  """The untouched model on its own tree: a list of per-layer (w1, w2), as it was written."""
+  h = x
+  for w1, w2 in layers:
+    h = h + jnp.tanh(h @ w1) @ w2
+  return jnp.mean(h ** 2)
+
+
+def own_args():
+  """Abstract (per-layer params, x) for :func:`untouched_own`."""
+  f32 = jnp.float32
+  layers = [(jax.ShapeDtypeStruct((D, H), f32), jax.ShapeDtypeStruct((H, D), f32))
+            for _ in range(L)]
+  return layers, jax.ShapeDtypeStruct((B, D), f32)
+
+
+def reference_own():
+  """What ``--reference user_mlp:reference_own`` calls: the untouched loss and its own arguments."""
+  return untouched_own, own_args()
+
+
 def example_args():
   """Abstract (params, x): nothing is allocated."""
   f32 = jnp.float32
