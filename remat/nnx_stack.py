@@ -131,7 +131,7 @@ class NNXStack(nnx.Module):
 
     Returns:
       ``y``, or ``(y, aux)`` with every block's ``aux`` stacked ``[N, ...]``
-      (a mapping kind -> ``[n_kind, ...]`` with a pattern) when the block
+      (with a pattern, a mapping kind name -> ``[n_kind, ...]``) when the block
       returns one that is not None: per-layer outputs such as an updated cache.
 
     Raises:
@@ -145,16 +145,9 @@ class NNXStack(nnx.Module):
       modules, per_layer, counts = {None: self.layers}, {None: xs}, {None: n}
       named = {None: xs_kwargs}
     else:
-      if xs is not None and not isinstance(xs, Mapping):
-        raise StackSignatureError('NNXStack with a pattern takes xs as a mapping kind -> inputs '
-                                  'stacked [n_kind, ...]')
       modules = {k: self.layers[patterns.kind_name(k)] for k in dict.fromkeys(pattern)}
-      per_layer = {k: None if xs is None else xs.get(k) for k in modules}
-      if xs_kwargs is not None and not (isinstance(xs_kwargs, Mapping)
-                                        and set(xs_kwargs) <= set(modules)):
-        raise StackSignatureError('NNXStack with a pattern takes xs_kwargs as a mapping kind -> '
-                                  '{name: inputs stacked [n_kind, ...]}')
-      named = {k: None if xs_kwargs is None else xs_kwargs.get(k) for k in modules}
+      per_layer = patterns.by_kind(xs, modules, 'xs', 'NNXStack')
+      named = patterns.by_kind(xs_kwargs, modules, 'xs_kwargs', 'NNXStack')
       counts = patterns.kind_counts(pattern, n)
     keys = None if rng is None else jax.random.split(rng, n)
     streams = None
@@ -202,7 +195,8 @@ class NNXStack(nnx.Module):
       nnx.update(self.layers, new_rest)
     else:
       y, outs = patterns.run_stack(steps, x, stacked, n, policy, pattern)
-      auxs = {k: o[0] for k, o in outs.items()}
+      # Keyed by kind name: the outputs are pytrees, and an enum kind need not be orderable.
+      auxs = {patterns.kind_name(k): o[0] for k, o in outs.items()}
       for k, o in outs.items():
         nnx.update(modules[k], o[1])
     return y if aux is None else (y, auxs)

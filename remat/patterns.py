@@ -87,6 +87,23 @@ def kind_names(kinds, what: str) -> dict[Hashable, str]:
   return names
 
 
+def by_kind(mapping: Mapping | None, kinds, what: str, door: str) -> dict:
+  """A per-kind mapping given by the user (``xs``, ``xs_kwargs``) keyed by kind, None where absent.
+
+  Keys may be the kinds themselves or their :func:`kind_name` (an enum member's
+  name), so a mapping of strings works for enum kinds too; one-line error for
+  anything else.
+  """
+  if mapping is None:
+    return {k: None for k in kinds}
+  names = {kind_name(k): k for k in kinds}
+  if not isinstance(mapping, Mapping) or any(k not in kinds and k not in names for k in mapping):
+    raise StackSignatureError(f'{door} with a pattern takes {what} as a mapping kind -> inputs '
+                              f'stacked [n_kind, ...], with kinds among '
+                              f'{", ".join(repr(k) for k in kinds)}')
+  return {k: mapping.get(k, mapping.get(kind_name(k))) for k in kinds}
+
+
 def kind_counts(pattern: tuple, num_layers: int) -> dict[Hashable, int]:
   """Layers of each kind in a stack of N: ``{'local': 22, 'global': 4}`` for Gemma 3's 26."""
   counts = collections.Counter(pattern[i % len(pattern)] for i in range(num_layers))
@@ -153,6 +170,18 @@ def run_stack(steps: Callable | Mapping[Hashable, Callable], x, xs, num_layers: 
   """
   if pattern is None:
     return run_units(layer_unit(steps), x, xs, num_layers, policy)
+  # Kinds become their numbers inside: the mappings below are pytrees, whose keys JAX sorts, and
+  # an enum member (a kind) need not be orderable.
+  kinds = list(dict.fromkeys(pattern))
+  number = {k: i for i, k in enumerate(kinds)}
+  x, ys = _run_pattern({number[k]: s for k, s in steps.items()}, x,
+                       {number[k]: v for k, v in xs.items()}, num_layers, policy,
+                       tuple(number[k] for k in pattern))
+  return x, {kinds[i]: v for i, v in ys.items()}
+
+
+def _run_pattern(steps, x, xs, num_layers: int, policy: Policy, pattern: tuple):
+  """:func:`run_stack` with a pattern, its kinds numbered 0..K-1."""
   period = collections.Counter(pattern)
   reps, rem = divmod(num_layers, len(pattern))
   head = pattern[:rem]

@@ -141,7 +141,7 @@ class LayerStack(nn.Module):
 
     Returns:
       ``y``, or ``(y, aux)`` with every block's ``aux`` stacked ``[N, ...]``
-      (a mapping kind -> ``[n_kind, ...]`` with a pattern) when the block
+      (with a pattern, a mapping kind name -> ``[n_kind, ...]``) when the block
       returns one that is not None: per-layer outputs such as an updated cache.
 
     Raises:
@@ -162,17 +162,10 @@ class LayerStack(nn.Module):
         raise StackSignatureError('LayerStack with a pattern takes block_cls as a mapping kind -> '
                                   'linen Module class')
       pattern = patterns.check_pattern(pattern, list(self.block_cls), 'LayerStack')
-      if xs is not None and not isinstance(xs, Mapping):
-        raise StackSignatureError('LayerStack with a pattern takes xs as a mapping kind -> inputs '
-                                  'stacked [n_kind, ...]')
       classes = dict(self.block_cls)
       kwargs = {k: dict(self.block_kwargs.get(k, {})) for k in classes}
-      per_layer = {k: None if xs is None else xs.get(k) for k in classes}
-      if xs_kwargs is not None and not (isinstance(xs_kwargs, Mapping)
-                                        and set(xs_kwargs) <= set(classes)):
-        raise StackSignatureError('LayerStack with a pattern takes xs_kwargs as a mapping kind -> '
-                                  '{name: inputs stacked [n_kind, ...]}')
-      named = {k: None if xs_kwargs is None else xs_kwargs.get(k) for k in classes}
+      per_layer = patterns.by_kind(xs, classes, 'xs', 'LayerStack')
+      named = patterns.by_kind(xs_kwargs, classes, 'xs_kwargs', 'LayerStack')
     names = {'block': 'block'} if pattern is None else patterns.kind_names(classes, 'LayerStack')
     policy = check_policy(self.policy, patterns.num_units(pattern, n) if self.strict else None)
     counts = {'block': n} if pattern is None else patterns.kind_counts(pattern, n)
@@ -235,7 +228,9 @@ class LayerStack(nn.Module):
       auxs, new = {'block': auxs}, {'block': new}
     else:
       y, outs = patterns.run_stack(steps, x, stacked, n, policy, pattern)
-      auxs, new = {k: o[0] for k, o in outs.items()}, {k: o[1] for k, o in outs.items()}
+      # Keyed by kind name: the outputs are pytrees, and an enum kind need not be orderable.
+      auxs = {names[k]: o[0] for k, o in outs.items()}
+      new = {k: o[1] for k, o in outs.items()}
     if not self.is_initializing():  # init keeps the initial statistics, as nn.scan's init does
       for k in classes:
         for col in mutable[k]:
