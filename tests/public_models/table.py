@@ -18,10 +18,12 @@ import jax  # noqa: E402
 from remat.measuring import step_memory  # noqa: E402
 from remat.memory import format_bytes  # noqa: E402
 from remat.targets import get_target  # noqa: E402
-from tests.public_models import bert, gemma, lm1b, vit  # noqa: E402
+from tests.public_models import bert, gemma, gemma3, lm1b, unet, vit  # noqa: E402
 
 MODELS = {'Flax lm1b Transformer LM (linen)': lm1b.case, 'Gemma-style (NNX)': gemma.case,
-          'big_vision ViT (linen)': vit.case, 'Equinox BERT': bert.case}
+          'big_vision ViT (linen)': vit.case, 'Equinox BERT': bert.case,
+          'Gemma 3-style, 5 local + 1 global (linen)': gemma3.case,
+          'diffusers Flax U-Net (linen)': unet.case}
 SPECS = ('none', 'full', 'sqrt', 'dots')
 
 
