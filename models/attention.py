@@ -38,7 +38,7 @@
 
 GPT-2 and ViT drop attention probabilities. Blockwise attention draws each
 block's dropout mask as that block of the dense path's [B, H, T, T] mask (the
-same counter-based bits, :func:`models.layers.bernoulli_block`), so with
+same counter-based bits, :func:`models.dropout.bernoulli_block`), so with
 the same key both paths drop the same entries and give the same values up to
 float32 rounding, with dropout or without (beyond 2**32 mask elements, where
 the dense path's bits use 64-bit counters, each block draws from its own
@@ -67,7 +67,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from models.layers import MAX_BACKWARD_CHUNKS, bernoulli, bernoulli_block, fused_bits_ok
+from models.chunking import MAX_BACKWARD_CHUNKS
+from models.dropout import bernoulli, bernoulli_block, fused_bits_ok
 from remat import read_after
 
 IMPLEMENTATIONS = ('auto', 'dense', 'blockwise', 'cudnn')
@@ -92,7 +93,7 @@ def attention(q, k, v, *, causal: bool, dropout_rate: float, deterministic: bool
 
   Values are those of ``dropout(softmax(q k^T / sqrt(Dh))) v`` for every
   implementation (up to rounding; ``'dense'`` uses the same softmax formula
-  and dropout masks as ``jax.nn.softmax`` and :func:`models.layers.dropout`).
+  and dropout masks as ``jax.nn.softmax`` and :func:`models.dropout.dropout`).
   Grouped-query attention when ``Hkv < H``: query head ``h`` reads key/value
   head ``h // (H // Hkv)``, without repeating ``k`` and ``v`` in memory.
 

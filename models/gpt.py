@@ -37,8 +37,9 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
-from models.layers import (TRANSFORMER_TAGS, GeluDense, LayerNorm, NormDense, Normalized, attention,
-                           check_dtype, dropout, dropout_keys)
+from models.attention import attention
+from models.dropout import dropout, dropout_keys
+from models.layers import TRANSFORMER_TAGS, GeluDense, LayerNorm, NormDense, Normalized, check_dtype
 from remat.policies import Policy, get_policy
 from remat.stack import LayerStack
 
@@ -59,7 +60,7 @@ class GPTConfig:
     dropout: embedding, attention and residual dropout rate (HF uses 0.1 for all).
     layer_norm_eps: LayerNorm epsilon.
     loss_chunk: tokens per chunk of the training loss's tied output layer
-      (:func:`models.layers.chunked_cross_entropy`): ``None`` (the default) picks
+      (:func:`models.chunked_loss.chunked_cross_entropy`): ``None`` (the default) picks
       chunks of <= 64 MiB of logits (256 tokens at 50257 words) and the plain
       loss when one chunk covers the batch (always for the byte-level V = 256);
       ``0`` always takes the plain loss. Changes memory and time, not values.
@@ -168,7 +169,7 @@ class GPT(nn.Module):
   ``return_hidden=True`` (or :meth:`hidden`) returns the final hidden states
   [B, T, d_model] instead, the input of the tied output layer ``logits = x @
   wte.T``: the training loss computes that layer itself, in chunks, so the full
-  logits never exist (:func:`models.layers.chunked_cross_entropy`).
+  logits never exist (:func:`models.chunked_loss.chunked_cross_entropy`).
 
   The logits are float32 under either dtype: the output matmul takes ``dtype``
   operands and accumulates into float32, as the chunked loss does. The hidden

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from models.chunking import row_chunks
+
 # The checkpoint names a Transformer block emits; GPT-2 and ViT use the same
 # vocabulary, so every tag-based policy and preset applies to both.
 TRANSFORMER_TAGS = {
@@ -44,11 +46,6 @@ def check_dtype(owner: str, dtype) -> None:
 def _low(dtype) -> bool:
   """True for a dtype narrower than float32 (bfloat16): the mixed-precision code paths."""
   return jnp.dtype(dtype) != jnp.float32
-
-
-def dropout_keys(rng, n: int):
-  """``n`` independent keys folded from a block's key, or ``n`` Nones when deterministic."""
-  return (None,) * n if rng is None else tuple(jax.random.fold_in(rng, i) for i in range(n))
 
 
 def gelu_slope(x, approximate: bool):
@@ -83,23 +80,6 @@ def _dense_params(module: nn.Module, in_features: int, features: int, kernel_ini
   return kernel, module.param('bias', nn.initializers.zeros_init(), (features,), jnp.float32)
 
 
-# Rows (tokens) per step of the chunked backward passes (gelu_dense; models/llama.py's MLP).
-BACKWARD_ROWS = 128
-# ... in at most this many steps: a loop step is one launch of each matmul on a GPU, so at real
-# sizes (16k tokens) the chunks grow (1024 rows) rather than the launches; the working set is
-# still a sixteenth of one pass's.
-MAX_BACKWARD_CHUNKS = 16
-
-
-def row_chunks(rows: int, size: int = BACKWARD_ROWS) -> int:
-  """How many equal chunks of about ``size`` rows (at least ``size``; 1 if fewer; at most
-  :data:`MAX_BACKWARD_CHUNKS`) ``rows`` splits into."""
-  n = max(1, min(rows // size, MAX_BACKWARD_CHUNKS))
-  while rows % n:
-    n -= 1
-  return n
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def gelu_dense(h, kernel, bias, approximate: bool):
   """``nn.Dense`` applied to ``jax.nn.gelu(h)``, keeping only ``h``, with a chunked backward pass.
@@ -108,7 +88,7 @@ def gelu_dense(h, kernel, bias, approximate: bool):
   would keep ``gelu(h)`` (the matmul's input, for its weight gradient) and
   the slope ``gelu'(h)``, two ``[.., F]`` arrays, while PyTorch keeps ``h``
   and ``gelu(h)``. This rule keeps ``h`` alone and runs its backward pass
-  over :data:`BACKWARD_ROWS` rows at a time: each step rebuilds ``gelu(h)``
+  over :data:`models.chunking.BACKWARD_ROWS` rows at a time: each step rebuilds ``gelu(h)``
   and the slope for its rows, elementwise, writes its rows of ``dh`` and adds
   its share of the weight and bias gradients. Written as one pass, XLA's CPU
   plan held five more ``[.., F]`` buffers at once (``gelu(h)``, three of the
@@ -341,251 +321,3 @@ class LayerNorm(nn.Module):
     if self.parts:
       return Normalized(normalize(x, self.epsilon), scale, bias)
     return layer_norm(x, scale, bias, self.epsilon)
-
-
-def _threefry2x32(k1, k2, x1, x2):
-  """The Threefry-2x32 hash (20 rounds) as JAX computes it, written out unrolled."""
-  def rotl(v, r):
-    return (v << np.uint32(r)) | (v >> np.uint32(32 - r))
-  rotations = ((13, 15, 26, 6), (17, 29, 16, 24))
-  ks = (k1, k2, k1 ^ k2 ^ np.uint32(0x1BD11BDA))
-  x1, x2 = x1 + ks[0], x2 + ks[1]
-  for i in range(5):
-    for r in rotations[i % 2]:
-      x1 = x1 + x2
-      x2 = x1 ^ rotl(x2, r)
-    x1, x2 = x1 + ks[(i + 1) % 3], x2 + ks[(i + 2) % 3] + np.uint32(i + 1)
-  return x1, x2
-
-
-def _tied_zero(x) -> jax.Array:
-  """A uint32 zero computed from one element of ``x`` (``min(bits, 0)``), whatever its value.
-
-  Index arrays and fill values that depend on no input are kept by JAX as
-  loop-invariant residuals of a layer scan (computed once, outside the loop, at
-  full size) and hoisted by XLA out of loops; adding this zero ties them to an
-  input, so they stay inside the fusion that consumes them. XLA does not fold it.
-  """
-  x = x.reshape(-1)[0]
-  if not jnp.issubdtype(x.dtype, jnp.unsignedinteger):
-    x = jax.lax.bitcast_convert_type(x, jnp.dtype(f'uint{8 * x.dtype.itemsize}'))
-  return jnp.minimum(x, jnp.zeros((), x.dtype)).astype(jnp.uint32)
-
-
-def _fused_bits_ok(rng, shape) -> bool:
-  return (bool(jax.config.jax_threefry_partitionable) and not jax.dtypes.issubdtype(
-      rng.dtype, jax.dtypes.prng_key) and rng.shape == (2,) and rng.dtype == jnp.uint32
-      and math.prod(shape) < 2**32)
-
-
-def bernoulli(rng, p: float, shape) -> jax.Array:
-  """``jax.random.bernoulli(rng, p, shape)``, bit for bit, as one elementwise computation.
-
-  On the CPU backend JAX hashes random bits in a rolled loop over materialised
-  counters, about 24 bytes of temporaries per element (300 MB for one GPT-2
-  attention mask at batch 4 x 512) in every layer's forward pass and again in
-  each recompute. Written out, XLA fuses counters, hash and comparison into the
-  bool mask itself. Falls back to ``jax.random.bernoulli`` where the bits could
-  differ (typed or non-threefry keys, ``jax_threefry_partitionable`` off).
-  """
-  shape = tuple(shape)
-  if not fused_bits_ok(rng, shape):
-    return jax.random.bernoulli(rng, p, shape)
-  return bernoulli_block(rng, p, shape, shape, (0,) * len(shape))
-
-
-def fused_bits_ok(rng, shape) -> bool:
-  """Whether :func:`bernoulli_block` gives ``jax.random.bernoulli``'s bits for an array of ``shape``."""
-  return _fused_bits_ok(rng, tuple(shape))
-
-
-def bernoulli_block(rng, p: float, shape, full_shape, starts) -> jax.Array:
-  """The block ``[starts, starts + shape)`` of ``jax.random.bernoulli(rng, p, full_shape)``.
-
-  Bit for bit the elements of the whole mask at those positions (the counter
-  of an element is its flat index in ``full_shape``), without the rest of it:
-  blockwise attention draws each block of the dense path's [B, H, T, T]
-  dropout mask this way. Positions past ``full_shape`` (padding) get bits
-  too, which are meaningless. Only valid where :func:`fused_bits_ok` holds
-  for ``full_shape``.
-
-  Args:
-    rng: a raw uint32 key.
-    p: the probability of True.
-    shape: the block's shape.
-    full_shape: the whole mask's shape (same rank).
-    starts: the block's first index along each axis (ints or traced integer scalars).
-  """
-  # Counters: the flat element index (< 2**32, so the high word is 0), built in Horner form
-  # from per-axis iotas of one axis each, each with a zero tied to the key (_tied_zero), so
-  # that nothing of the mask's full shape is free of inputs (or a [B, H, T, T] uint32
-  # array would be materialised outside the layer loop). As written, counters, hash and
-  # comparison fuse into the bool mask.
-  zero = _tied_zero(rng)
-  index = zero
-  for dim, (size, full, start) in enumerate(zip(shape, full_shape, starts)):
-    axis = [1] * len(shape)
-    axis[dim] = size
-    pos = jax.lax.broadcasted_iota(jnp.uint32, axis, dim) + zero
-    if not (isinstance(start, int) and start == 0):
-      pos = pos + jnp.asarray(start).astype(jnp.uint32)
-    index = index * np.uint32(full) + pos
-  b1, b2 = _threefry2x32(rng[0], rng[1], zero, index)   # high words: 0, broadcast
-  # jax.random.uniform's float32 from 32 random bits, then bernoulli's comparison.
-  bits = jax.lax.shift_right_logical(b1 ^ b2, np.uint32(32 - 23)) | np.array(1.0, np.float32).view(
-      np.uint32)
-  u = jax.lax.bitcast_convert_type(bits, jnp.float32) - jnp.float32(1.0)
-  u = jax.lax.max(jnp.float32(0.0), u * jnp.float32(1.0) + jnp.float32(0.0))
-  return u < jnp.asarray(p, jnp.float32)
-
-
-def dropout(x, rate: float, *, deterministic: bool, rng):
-  """``flax.linen.Dropout(rate)(x, deterministic, rng=rng)``: the same masks and values.
-
-  The mask comes from :func:`bernoulli`, which has none of the CPU backend's
-  random-bit temporaries.
-  """
-  if rate == 0.0 or deterministic:
-    return x
-  if rng is None:
-    raise ValueError('dropout in training mode needs a key (rng)')
-  if rate == 1.0:
-    return jnp.zeros_like(x)
-  keep_prob = 1.0 - rate
-  mask = bernoulli(rng, keep_prob, x.shape)
-  return jax.lax.select(mask, x / keep_prob, jnp.zeros_like(x))
-
-
-def __getattr__(name):
-  # models.attention builds on this module (dropout's random bits), so it is imported
-  # lazily here rather than at the top: ``from models.layers import attention`` keeps working.
-  if name == 'attention':
-    from models.attention import attention
-    return attention
-  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
-
-
-# Bytes of float32 logits one chunk of the chunked cross-entropy may hold when
-# the chunk size is left to :func:`loss_chunk_tokens`.
-LOSS_CHUNK_BYTES = 64 * 2**20
-
-
-def loss_chunk_tokens(vocab_size: int, num_tokens: int, chunk: int | None = None) -> int:
-  """Tokens per chunk of :func:`chunked_cross_entropy`, or 0 for the plain loss.
-
-  Args:
-    vocab_size: V, the width of the output layer.
-    num_tokens: N, the tokens of the batch (B * T).
-    chunk: ``None`` picks the largest power of two whose float32 logits
-      ``[chunk, V]`` fit :data:`LOSS_CHUNK_BYTES` (256 tokens, 51 MB, for GPT-2's
-      50257 words); ``0`` always takes the plain loss; a positive number is
-      used as given.
-
-  Returns the chunk, or 0 when the plain loss is at least as good: one chunk
-  would cover the batch (the byte-level vocabulary, V = 256, always does).
-  """
-  if chunk is None:
-    limit = max(1, LOSS_CHUNK_BYTES // (4 * vocab_size))
-    chunk = 1 << (limit.bit_length() - 1)
-  if chunk < 0:
-    raise ValueError(f'loss chunk must be >= 0 tokens, got {chunk}')
-  return 0 if chunk == 0 or chunk >= num_tokens else chunk
-
-
-def _chunked(h, labels, chunk: int, weights=None):
-  """[N, D], [N] -> [C, chunk, D], [C, chunk], weights [C, chunk] (0 on padding)."""
-  n = h.shape[0]
-  num = -(-n // chunk)
-  pad = num * chunk - n
-  weight = jnp.ones((n,), jnp.float32) if weights is None else weights.astype(jnp.float32)
-  h, labels, weight = (jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1))
-                       for a in (h, labels, weight))
-  return (h.reshape(num, chunk, h.shape[-1]), labels.reshape(num, chunk),
-          weight.reshape(num, chunk))
-
-
-def _chunk_logits(hc, emb, yc):
-  """Logits [c, V] of one chunk (float32), their logsumexp and the label logits."""
-  logits = jnp.dot(hc, emb.T, preferred_element_type=jnp.float32)
-  lse = jax.nn.logsumexp(logits, axis=-1)
-  label_logit = jnp.take_along_axis(logits, yc[:, None], axis=-1)[:, 0]
-  return logits, lse, label_logit
-
-
-def _divisor(n: int, weights):
-  """What the loss sum is divided by: N tokens, or the weights' sum (at least 1)."""
-  return n if weights is None else jnp.maximum(jnp.sum(weights.astype(jnp.float32)), 1.0)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def chunked_cross_entropy(h, emb, labels, chunk: int, weights=None):
-  """Mean softmax cross-entropy of the tied output layer ``logits = h @ emb.T``, in chunks.
-
-  Equal (within float32 rounding) to
-  ``optax.softmax_cross_entropy_with_integer_labels(h @ emb.T, labels).mean()``,
-  but the ``[N, V]`` logits and their gradient never exist at once: a scan over
-  chunks of ``chunk`` tokens holds one chunk's ``[chunk, V]`` logits at a time.
-
-  The gradient is computed with the loss, in the same pass over the chunks
-  (the loss is a mean, so ``d loss / d logits = (softmax - onehot) / N``): the
-  forward pass keeps ``dL/dh`` ``[N, D]`` and ``dL/demb`` ``[V, D]`` and the
-  backward pass scales them by the incoming cotangent. So the logits matmul is
-  never recomputed: three ``N x D x V`` matmuls, as without chunking. Only
-  reverse-mode differentiation is defined (as for any ``custom_vjp``).
-
-  Args:
-    h: final hidden states ``[N, D]``.
-    emb: the tied embedding ``[V, D]``.
-    labels: int ``[N]``.
-    chunk: tokens per chunk (static); N need not be a multiple (padding rows
-      weigh 0).
-    weights: None, or float ``[N]`` per-token weights (0 or 1: a loss mask); the
-      result is then ``sum(ce * weights) / max(sum(weights), 1)``, the mean over
-      the tokens that count. Not differentiated.
-  """
-  hs, ys, ws = _chunked(h, labels, chunk, weights)
-
-  def body(total, xs):
-    hc, yc, wc = xs
-    _, lse, label_logit = _chunk_logits(hc, emb, yc)
-    return total + jnp.sum((lse - label_logit) * wc), None
-  total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (hs, ys, ws))
-  return total / _divisor(h.shape[0], weights)
-
-
-def _cross_entropy_fwd(h, emb, labels, chunk, weights=None):
-  n = _divisor(h.shape[0], weights)
-  hs, ys, ws = _chunked(h, labels, chunk, weights)
-
-  def grads(hc, yc, wc):
-    """One chunk's loss sum and its contributions to dL/dh and dL/demb."""
-    logits, lse, label_logit = _chunk_logits(hc, emb, yc)
-    # d mean / d logits = (softmax - onehot) / N, zero on padding rows.
-    probs = jnp.exp(logits - lse[:, None])
-    onehot = jnp.arange(logits.shape[-1])[None, :] == yc[:, None]
-    d_logits = jnp.where(onehot, probs - 1.0, probs) * (wc / n)[:, None]
-    return (jnp.sum((lse - label_logit) * wc), jnp.dot(d_logits, emb.astype(jnp.float32)),
-            jnp.dot(d_logits.T, hc.astype(jnp.float32)))
-
-  def body(carry, xs):
-    total, d_emb = carry
-    loss_c, d_hc, d_emb_c = grads(*xs)
-    return (total + loss_c, d_emb + d_emb_c), d_hc
-  # The first chunk starts the [V, D] accumulator: a zero-filled one would be allocated
-  # early (XLA schedules the fill during the layers' forward pass) and add to its peak.
-  total, d_h0, d_emb = grads(hs[0], ys[0], ws[0])
-  (total, d_emb), d_h = jax.lax.scan(body, (total, d_emb), (hs[1:], ys[1:], ws[1:]))
-  d_h = jnp.concatenate([d_h0[None], d_h]).reshape(-1, h.shape[-1])[:h.shape[0]]
-  return total / n, (d_h.astype(h.dtype), d_emb.astype(emb.dtype), weights)
-
-
-def _cross_entropy_bwd(chunk, res, g):
-  d_h, d_emb, weights = res
-  # The float32 cotangent would promote a bfloat16 residual: the cotangents must keep their
-  # primals' dtypes, else the transpose of the first bfloat16 op above (Llama's final RMSNorm
-  # scaling) fails on mixed operands.
-  return ((g * d_h).astype(d_h.dtype), (g * d_emb).astype(d_emb.dtype), None,
-          None if weights is None else jnp.zeros_like(weights))
-
-
-chunked_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)

@@ -41,7 +41,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from models.attention import attention
-from models.layers import DTYPES, row_chunks
+from models.chunking import row_chunks
+from models.layers import DTYPES
 from remat.policies import Policy, get_policy
 from remat.stack import LayerStack
 
@@ -105,7 +106,7 @@ class LlamaConfig:
       or a dict of its fields, as a JSON config gives it) [rope_scaling].
     tie_embeddings: the output layer reuses the input embedding [tie_word_embeddings].
     loss_chunk: tokens per chunk of the training loss's output layer, as
-      ``GPTConfig.loss_chunk`` (:func:`models.layers.chunked_cross_entropy`):
+      ``GPTConfig.loss_chunk`` (:func:`models.chunked_loss.chunked_cross_entropy`):
       None picks chunks of <= 64 MiB of float32 logits, 0 the plain loss.
     dtype: 'float32' or 'bfloat16': activations and matmuls (parameters stay float32).
     attention: attention implementation, as ``GPTConfig.attention``
@@ -321,14 +322,14 @@ def swiglu_mlp(x, wg, wu, wd):
   Same values as the ops written out, and the same matmuls in both passes.
   The backward pass keeps ``x``, ``gate`` and ``up`` (tagged ``mlpwi_0``,
   ``mlpwi_1``: the matmul outputs a policy may save or recompute, as
-  before) and runs over :data:`models.layers.BACKWARD_ROWS` rows at a time: each
+  before) and runs over :data:`models.chunking.BACKWARD_ROWS` rows at a time: each
   chunk rebuilds ``silu(gate)`` and its slope elementwise, computes its
   rows of every ``[.., F]`` derivative and of ``dx``, and adds its share to
   the three weight gradients. Differentiated whole, XLA's CPU plan of one
   layer's backward pass held nine ``[B*T, F]`` buffers at once (the
   elementwise values, ``d_gate``, ``d_up`` and a transposed copy of each
   for the weight-gradient matmuls); per chunk they are a few
-  ``[models.layers.BACKWARD_ROWS, F]`` ones. No matmul is added: the weight gradients
+  ``[models.chunking.BACKWARD_ROWS, F]`` ones. No matmul is added: the weight gradients
   are the same products summed over chunks.
   """
   return _mlp_forward(x, wg, wu, wd)[0]
@@ -433,7 +434,7 @@ class LMHead(nn.Module):
 
 
 def output_embedding(params, config: LlamaConfig):
-  """The output layer as ``[vocab, D]`` (what :func:`models.layers.chunked_cross_entropy` takes)."""
+  """The output layer as ``[vocab, D]`` (what :func:`models.chunked_loss.chunked_cross_entropy` takes)."""
   if config.tie_embeddings:
     return params['embed_tokens']['embedding']
   return params['lm_head']['kernel'].T

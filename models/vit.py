@@ -36,8 +36,9 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
-from models.layers import (TRANSFORMER_TAGS, GeluDense, LayerNorm, NormDense, Normalized, attention,
-                           check_dtype, dropout_keys)
+from models.attention import attention
+from models.dropout import dropout_keys
+from models.layers import TRANSFORMER_TAGS, GeluDense, LayerNorm, NormDense, Normalized, check_dtype
 from remat.policies import Policy, get_policy
 from remat.stack import LayerStack
 

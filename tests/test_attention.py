@@ -87,7 +87,7 @@ def test_blockwise_dropout_matches_dense(t, h, hkv, bq, bk, causal):
 
 def _reference(causal, rate, key, segs):
   """Softmax attention written out, differentiated by JAX: the dense path's values and masks."""
-  from models.layers import bernoulli
+  from models.dropout import bernoulli
 
   def f(q, k, v):
     b, t, h, d = q.shape

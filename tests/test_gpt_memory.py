@@ -14,7 +14,7 @@ import optax
 import pytest
 
 from models.gpt import GPT, GPTConfig
-from models.layers import chunked_cross_entropy, loss_chunk_tokens
+from models.chunked_loss import chunked_cross_entropy, loss_chunk_tokens
 from numerics import assert_trees_close
 from remat.memory import compiled_memory
 from training import steps as st
@@ -140,7 +140,7 @@ def test_dropout_masks_match_flax():
   # The fused mask generator gives flax.linen.Dropout's masks bit for bit (so every
   # checkpoint, run and policy sees the dropout it saw before).
   import flax.linen as nn
-  from models.layers import bernoulli, dropout
+  from models.dropout import bernoulli, dropout
   x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 17, 19)), jnp.float32)
   for seed in range(3):
     key = jax.random.fold_in(jax.random.PRNGKey(seed), 11)

@@ -1,4 +1,4 @@
-"""Transformer pieces with written-out derivatives (models/layers.py).
+"""Transformer pieces with written-out derivatives (models/layers.py; dropout: models/dropout.py).
 
 Each must give the values of the plain JAX/Flax formula (bit for bit where the
 forward pass uses the same operations) and its gradients within float32
@@ -14,7 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.layers import GeluDense, LayerNorm, NormDense, attention, dropout, gelu_slope
+from models.attention import attention
+from models.dropout import dropout
+from models.layers import GeluDense, LayerNorm, NormDense, gelu_slope
 from numerics import assert_trees_close
 from remat.residuals import saved_residuals
 
@@ -56,7 +58,7 @@ def test_gelu_dense_rule(approximate):
 @pytest.mark.parametrize('approximate', [True, False])
 def test_gelu_dense_backward_over_row_chunks(approximate):
   # 4 x 96 = 384 rows: three chunks of BACKWARD_ROWS (128); the gradients sum over them.
-  from models.layers import BACKWARD_ROWS, row_chunks
+  from models.chunking import BACKWARD_ROWS, row_chunks
   assert BACKWARD_ROWS == 128 and row_chunks(384) == 3 and row_chunks(1576) == 8
   h = _normal(4, 96, 16, scale=2.0)
   ours = GeluDense(8, approximate)

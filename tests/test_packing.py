@@ -14,7 +14,7 @@ import pytest
 
 from models.attention import attention, blockwise_attention
 from models.gpt import GPTConfig
-from models.layers import chunked_cross_entropy
+from models.chunked_loss import chunked_cross_entropy
 from models.llama import LlamaConfig
 from numerics import assert_trees_close
 from training.tasks import Task

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import optax
 
 from models.gpt import GPT, GPTConfig
-from models.layers import chunked_cross_entropy, loss_chunk_tokens
+from models.chunked_loss import chunked_cross_entropy, loss_chunk_tokens
 from models.llama import Llama, LlamaConfig, output_embedding
 from models.resnet import ResNet, ResNetConfig
 from models.vit import ViT, ViTConfig
@@ -154,7 +154,7 @@ class Task:
 
     The output layer (GPT's tied ``wte``; Llama's tied embedding or untied
     ``lm_head``, in float32) is computed here from the final hidden states: in
-    chunks of ``config.loss_chunk`` tokens (:func:`models.layers.chunked_cross_entropy`:
+    chunks of ``config.loss_chunk`` tokens (:func:`models.chunked_loss.chunked_cross_entropy`:
     the [B*T, V] logits and their gradient never exist), or plainly when the
     vocabulary is small enough that one chunk covers the batch. Same value and
     gradients either way, within float32 rounding.

@@ -1,0 +1,21 @@
+"""How the models' chunked backward passes split their rows (GELU MLP, Llama's MLP, attention).
+
+Shared by :mod:`models.layers`, :mod:`models.llama` and :mod:`models.attention`,
+which import it and nothing of each other for it.
+"""
+
+# Rows (tokens) per step of the chunked backward passes (gelu_dense; models/llama.py's MLP).
+BACKWARD_ROWS = 128
+# ... in at most this many steps: a loop step is one launch of each matmul on a GPU, so at real
+# sizes (16k tokens) the chunks grow (1024 rows) rather than the launches; the working set is
+# still a sixteenth of one pass's.
+MAX_BACKWARD_CHUNKS = 16
+
+
+def row_chunks(rows: int, size: int = BACKWARD_ROWS) -> int:
+  """How many equal chunks of about ``size`` rows (at least ``size``; 1 if fewer; at most
+  :data:`MAX_BACKWARD_CHUNKS`) ``rows`` splits into."""
+  n = max(1, min(rows // size, MAX_BACKWARD_CHUNKS))
+  while rows % n:
+    n -= 1
+  return n
