@@ -99,7 +99,7 @@ FAMILIES = tuple(FAMILY_POLICY)
 # --model -> our arch.
 MODEL_ARCH = {'gpt2': 'gpt', 'llama': 'llama', 'vit': 'vit', 'resnet': 'resnet'}
 MODELS = tuple(MODEL_ARCH)
-# Our archs whose size is a sequence length (training.tasks.LANGUAGE_ARCHS, not imported here:
+# Our archs whose size is a sequence length (models.tasks.LANGUAGE_ARCHS, not imported here:
 # resolve() runs before anything heavy is).
 LANGUAGE_ARCHS = ('gpt', 'llama')
 DEFAULT_CONFIG = {'gpt2': 'gpt2-small', 'llama': 'llama-tiny', 'vit': 'vit-b16-224',
@@ -214,7 +214,7 @@ def resolve(args) -> Setup:
                       ('image-size' if vision else 'seq-len', size), ('steps', args.steps)):
     if value < 1:
       raise CompareError(f'--{flag} must be >= 1, got {value}')
-  from training.tasks import Task
+  from models.tasks import Task
   try:
     Task(named.model).at_size(size)
   except ValueError as e:

@@ -26,7 +26,7 @@ from remat.targets import Target
 from training import fused_step
 from training import steps as st
 from training.autoremat import source_hash
-from training.tasks import Task
+from models.tasks import Task
 
 # The optimizer every measured step uses: AdamW, peak lr 1e-3 (10 warm-up steps of 1000),
 # weight decay 0.1, global-norm clip 1.0 (baselines.compare matches its torch side to this).
@@ -55,7 +55,7 @@ class Family:
   """What the report needs to know about one model family.
 
   Attributes:
-    arch: 'gpt', 'llama', 'vit' or 'resnet' (``training.tasks.Task.arch``).
+    arch: 'gpt', 'llama', 'vit' or 'resnet' (``models.tasks.Task.arch``).
     policies: the report's default policy set.
     vision: True when the size is an image side (else a sequence length).
     at_depth: ``at_depth(cfg, n)``: the config with ``n`` layers (depth sweeps).

@@ -2,7 +2,7 @@
 
 :func:`chunked_cross_entropy` never holds the ``[B*T, V]`` logits or their
 gradient; :func:`loss_chunk_tokens` picks its chunk (or the plain loss). Used
-by :mod:`training.tasks`' loss.
+by :mod:`models.tasks`' loss.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ import ml_dtypes
 import numpy as np
 
 from models.hf_layout import CONFIGS, MODEL_TYPES, VARIABLES, HFImportError, StateDict, _few
-from training.tasks import ARCH_OF, Task
+from models.tasks import ARCH_OF, Task
 
 __all__ = ['HFImportError', 'load_hf', 'load_hf_config', 'from_state_dict', 'read_safetensors']
 

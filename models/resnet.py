@@ -26,7 +26,7 @@ Convolution outputs are tagged where they are created (:data:`TAGS`).
 BatchNorm's running statistics are float32 under either dtype; convolutions run
 in ``dtype`` on parameters cast at use, so activations and the saved residuals
 are in ``dtype``; BatchNorm's batch statistics are float32 (and the loss, in
-``training.tasks``).
+``models.tasks``).
 """
 
 from __future__ import annotations

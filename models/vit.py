@@ -24,7 +24,7 @@ leaves under ``encoder/block`` is HF's ``vit.encoder.layer.{i}``)::
 ``ViTConfig.dtype`` is the compute dtype (docs/precision.md): parameters are
 float32 under either dtype, cast to ``dtype`` where they are used; activations,
 and so the saved residuals, are in ``dtype``; LayerNorm statistics and the
-softmax are float32 (and the loss, in ``training.tasks``).
+softmax are float32 (and the loss, in ``models.tasks``).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from training import cli  # noqa: E402
 from training import export as export_cli  # noqa: E402
 from training import sample as sample_cli  # noqa: E402
 from training.export import write_weights  # noqa: E402
-from training.tasks import Task  # noqa: E402
+from models.tasks import Task  # noqa: E402
 from training.trainer import matching_config  # noqa: E402
 from training.text_source import load_named  # noqa: E402
 

@@ -20,7 +20,7 @@ from test_image_folder import write_folder as write_images  # noqa: E402
 from training import checkpoints as ckpt  # noqa: E402
 from training import cli  # noqa: E402
 from training import steps as st  # noqa: E402
-from training.tasks import Task  # noqa: E402
+from models.tasks import Task  # noqa: E402
 
 IMAGENET = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
 

@@ -19,7 +19,7 @@ import pytest
 from configs import load_config
 from training import fused_step as fs
 from training import steps as st
-from training.tasks import Task
+from models.tasks import Task
 
 TX = optax.sgd(1.0)
 

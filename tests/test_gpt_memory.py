@@ -18,7 +18,7 @@ from models.chunked_loss import chunked_cross_entropy, loss_chunk_tokens
 from numerics import assert_trees_close
 from remat.memory import compiled_memory
 from training import steps as st
-from training.tasks import Task
+from models.tasks import Task
 
 # A vocabulary large enough that the [B*T, V] logits dominate the activations.
 WIDE_VOCAB = GPTConfig(vocab_size=4096, max_len=32, num_layers=2, num_heads=2, d_model=32,

@@ -17,7 +17,7 @@ from models.hf_finetune import load_pretrained  # noqa: E402
 from models.resnet import ResNetConfig  # noqa: E402
 from models.vit_positions import resize_positions  # noqa: E402
 from numerics import assert_trees_close  # noqa: E402
-from training.tasks import Task  # noqa: E402
+from models.tasks import Task  # noqa: E402
 
 TINY_VIT = dict(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2,
                 num_attention_heads=2, intermediate_size=64, num_labels=3)

@@ -12,7 +12,7 @@ from numerics import assert_trees_close  # noqa: E402
 from training import cli  # noqa: E402
 from training.checkpoints import restore  # noqa: E402
 from training import steps as st  # noqa: E402
-from training.tasks import Task  # noqa: E402
+from models.tasks import Task  # noqa: E402
 
 
 @pytest.fixture(scope='module')

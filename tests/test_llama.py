@@ -15,7 +15,7 @@ from models.llama import (TAGS, Llama, LlamaConfig, RopeScaling, SwiGLUDown, app
                           output_embedding, rope_frequencies, rotary_tables)
 from numerics import assert_trees_close
 from remat.policies import registered_specs
-from training.tasks import Task
+from models.tasks import Task
 
 # Small enough to compile in about a second: 2 query heads per key/value head, an odd depth so
 # sqrt and seg:2 leave a remainder segment.

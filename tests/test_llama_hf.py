@@ -29,7 +29,7 @@ from test_hf_parity import _enable_checkpointing, _one_line_error  # noqa: E402
 from training import cli  # noqa: E402
 from training.checkpoints import restore  # noqa: E402
 from training import steps as st  # noqa: E402
-from training.tasks import Task  # noqa: E402
+from models.tasks import Task  # noqa: E402
 
 BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
             num_attention_heads=4, max_position_embeddings=128, rms_norm_eps=1e-5)

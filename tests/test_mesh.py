@@ -100,7 +100,7 @@ def test_llama_partition_specs(config, extra):
   from jax.sharding import PartitionSpec as P
   from configs import load_config
   from training.mesh import array_spec
-  from training.tasks import Task
+  from models.tasks import Task
   task = Task(load_config(config).model)
   model = task.model('none')
   params = jax.eval_shape(lambda: task.init_variables(model, 0, 8)[0])   # shapes only
@@ -270,7 +270,7 @@ def _grads_worker(config: str, spec: str, meshes: list[str]):
   from configs import load_config
   from numerics import assert_trees_close
   from training.mesh import Placement
-  from training.tasks import Task
+  from models.tasks import Task
   assert jax.device_count() == 8
   task = Task(load_config(config).model)
   model = task.model(spec)
@@ -302,7 +302,7 @@ def _memory_worker(config: str, full: bool):
   from remat.memory import compiled_memory
   from training import steps as st
   from training.mesh import Placement
-  from training.tasks import Task
+  from models.tasks import Task
   task = Task(load_config(config).model)
   model, tx = task.model('full'), st.make_optimizer(1e-3, 100, 10, 0.1, 1.0)
   state, batch = st.abstract_inputs(model, tx, 8, 32)

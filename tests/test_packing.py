@@ -17,7 +17,7 @@ from models.gpt import GPTConfig
 from models.chunked_loss import chunked_cross_entropy
 from models.llama import LlamaConfig
 from numerics import assert_trees_close
-from training.tasks import Task
+from models.tasks import Task
 
 SEGS = np.array([[0, 0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2],
                  [0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2]], np.int32)

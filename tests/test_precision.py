@@ -25,7 +25,7 @@ from remat.policies import registered_specs
 from remat.residuals import saved_residuals
 from test_vision import RESNET, VIT, _batch, _loss_grads, _state, _stats
 from training import steps as st
-from training.tasks import Task
+from models.tasks import Task
 
 BF16 = 'bfloat16'
 DROPOUT = jax.random.PRNGKey(42)

@@ -17,7 +17,7 @@ from numerics import assert_trees_close
 from remat.memory import compiled_memory
 from remat.tags import emitted_tags
 from training import steps as st
-from training.tasks import Task
+from models.tasks import Task
 
 # 5 layers: sqrt -> segments of 2 plus a remainder of 1. Dropout on.
 VIT = ViTConfig(image_size=16, patch_size=4, num_classes=5, num_layers=5, num_heads=2, d_model=32,

@@ -20,7 +20,7 @@ from remat import auto
 from remat.auto_budget import Budget, parse_budget
 from remat.measuring import TrainStep
 from training import steps as st
-from training.tasks import Task
+from models.tasks import Task
 
 
 def local_budget(text: str) -> Budget:

@@ -16,7 +16,7 @@ from remat.policies import Policy, get_policy
 from training import resume_check
 from training import rundir
 from training.guard import GuardConfig
-from training.tasks import Task
+from models.tasks import Task
 from training.text_source import HF_CONFIG_PREFIX, load_named, tokenizer_for_run
 
 

@@ -16,7 +16,7 @@ import jax
 from configs import ARCHS
 from training import checkpoints as ckpt
 from training import steps as st
-from training.tasks import Task
+from models.tasks import Task
 
 
 class RunReadError(ValueError):

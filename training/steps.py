@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from training.tasks import Task
+from models.tasks import Task
 
 
 class TrainState(struct.PyTreeNode):

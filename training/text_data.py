@@ -20,7 +20,7 @@ Windows of ``seq_len + 1`` tokens are cut from the stream anywhere, so one
 window holds the end of a document and the start of others; each comes with
 the segment id of every token (attention does not cross a document boundary),
 its position (restarting at 0 at each document start and at the window's
-start) and its loss mask (:mod:`training.tasks`). A step's windows are a pure
+start) and its loss mask (:mod:`models.tasks`). A step's windows are a pure
 function of (seed, step), so a resumed run sees the batches it would have.
 
 Validation is held out by document (every 10th) when there are at least 10

@@ -27,7 +27,7 @@ from training.guard import GuardConfig, LossGuard
 from training.run_config import (  # noqa: F401  (the run's settings, re-exported for callers)
     DivergedError, RunError, TrainConfig, default_config, matching_config,
     resolve)
-from training.tasks import Task
+from models.tasks import Task
 from training.text_source import HF_CONFIG_PREFIX, open_text, save_tokenizer, tokenizer_for_run
 
 
