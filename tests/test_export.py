@@ -1,6 +1,6 @@
-"""Export to Hugging Face folders (models/hf_export.py, training/export.py) and sampling.
+"""Export to Hugging Face folders (models/hf/export.py, training/export.py) and sampling.
 
-The writers are the inverse of the import (models.hf.from_state_dict reads
+The writers are the inverse of the import (models.hf.load.from_state_dict reads
 their output back to the very arrays), and ``transformers`` loads the folders
 with no missing or unexpected keys and computes our logits.
 """
@@ -17,8 +17,8 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
 from models.gpt import GPTConfig  # noqa: E402
-from models.hf import from_state_dict  # noqa: E402
-from models.hf_export import WRITERS  # noqa: E402
+from models.hf.load import from_state_dict  # noqa: E402
+from models.hf.export import WRITERS  # noqa: E402
 from models.llama import LlamaConfig, RopeScaling  # noqa: E402
 from numerics import assert_trees_close  # noqa: E402
 from text_fixtures import bpe_tokenizer, rows, write_jsonl  # noqa: E402

@@ -13,7 +13,7 @@ from PIL import Image  # noqa: E402
 
 from configs import load_config  # noqa: E402
 from training import export as export_cli  # noqa: E402
-from models.hf_finetune import load_pretrained  # noqa: E402
+from models.hf.finetune import load_pretrained  # noqa: E402
 from models.vit import ViTConfig  # noqa: E402
 from numerics import assert_trees_close  # noqa: E402
 from test_image_folder import write_folder as write_images  # noqa: E402

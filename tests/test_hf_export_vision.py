@@ -10,10 +10,10 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
 from configs import load_config  # noqa: E402
-from models.hf import load_hf, read_safetensors  # noqa: E402
-from models.hf_export_vision import (ExportError, resnet_writer, vit_writer,  # noqa: E402
+from models.hf.load import load_hf, read_safetensors  # noqa: E402
+from models.hf.export_vision import (ExportError, resnet_writer, vit_writer,  # noqa: E402
                                      write_folder)
-from models.hf_finetune import load_pretrained  # noqa: E402
+from models.hf.finetune import load_pretrained  # noqa: E402
 from models.resnet import ResNetConfig  # noqa: E402
 from models.vit_positions import resize_positions  # noqa: E402
 from numerics import assert_trees_close  # noqa: E402

@@ -1,4 +1,4 @@
-"""Hugging Face import (models/hf.py) against PyTorch: logits, loss and every gradient.
+"""Hugging Face import (models/hf/load.py) against PyTorch: logits, loss and every gradient.
 
 Tiny random GPT2LMHeadModel, ViTForImageClassification and
 ResNetForImageClassification (bottleneck and basic blocks) are built in
@@ -21,7 +21,7 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
 from models.gpt import GPTConfig  # noqa: E402
-from models.hf import HFImportError, from_state_dict, load_hf, load_hf_config  # noqa: E402
+from models.hf.load import HFImportError, from_state_dict, load_hf, load_hf_config  # noqa: E402
 from models.vit import ViTConfig  # noqa: E402
 from numerics import RTOL, assert_trees_close  # noqa: E402
 from models.tasks import Task  # noqa: E402

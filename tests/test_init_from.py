@@ -7,7 +7,7 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
 from configs import load_config  # noqa: E402
-from models.hf import load_hf  # noqa: E402
+from models.hf.load import load_hf  # noqa: E402
 from numerics import assert_trees_close  # noqa: E402
 from training import cli  # noqa: E402
 from training.checkpoints import restore  # noqa: E402

@@ -1,4 +1,4 @@
-"""Hugging Face Llama import (models/hf.py) against ``transformers.LlamaForCausalLM``.
+"""Hugging Face Llama import (models/hf/load.py) against ``transformers.LlamaForCausalLM``.
 
 Tiny random models (grouped-query and multi-head attention, tied and untied
 output embeddings, Llama 3 rotary scaling) are built in PyTorch on the CPU,
@@ -22,7 +22,7 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
 from configs import load_config  # noqa: E402
-from models.hf import from_state_dict, load_hf, load_hf_config  # noqa: E402
+from models.hf.load import from_state_dict, load_hf, load_hf_config  # noqa: E402
 from models.llama import RopeScaling  # noqa: E402
 from numerics import assert_trees_close  # noqa: E402
 from test_hf_parity import _enable_checkpointing, _one_line_error  # noqa: E402

@@ -4,13 +4,13 @@ Writes what ``save_pretrained`` writes, so ``transformers``' ``from_pretrained``
 (or any tool that reads that layout) loads it:
 
 * ``config.json``: the trained model's shape (its vocabulary, its image size),
-  from the family's writer in :data:`models.hf_export.WRITERS`;
+  from the family's writer in :data:`models.hf.export.WRITERS`;
 * ``model.safetensors``, or above ``--max-shard-size`` (5 GB, as
   ``save_pretrained``) shards ``model-0000K-of-0000N.safetensors`` with
   ``model.safetensors.index.json``; float32, or ``--dtype bfloat16``;
 * the tokenizer the run trained with (``tokenizer.json`` and its companions,
   copied from the run folder; a byte-level run has none) and any files the
-  family registers in :data:`models.hf_export.EXTRA_FILES`.
+  family registers in :data:`models.hf.export.EXTRA_FILES`.
 
 The folder is written under a temporary name beside ``OUT_DIR`` and renamed
 when complete: a failure leaves nothing behind. Errors are one line on stderr
@@ -82,8 +82,8 @@ def export(run_dir, out_dir, dtype: str = 'float32', max_shard_bytes: int = DEFA
   Raises:
     ExportError, RunReadError: one line.
   """
-  from models import hf_export_vision as vision
-  from models.hf_export import EXTRA_FILES, WRITERS
+  from models.hf import export_vision as vision
+  from models.hf.export import EXTRA_FILES, WRITERS
   from training.saved_run import load_run
   from training.text_source import RUN_TOKENIZER_DIR
   from training.tokenizer import COMPANION_FILES, TOKENIZER_FILE, load_tokenizer

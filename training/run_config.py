@@ -171,7 +171,7 @@ def matching_config(path: str) -> str:
   Raises:
     HFImportError: one line, for a folder or config.json that cannot be used.
   """
-  from models.hf import load_hf_config
+  from models.hf.load import load_hf_config
   arch, hf_cfg = load_hf_config(path)
   for name in config_names(arch):
     ours = load_config(name).model

@@ -47,7 +47,7 @@ def load_named(name: str) -> NamedConfig:
   """
   if not name.startswith(HF_CONFIG_PREFIX):
     return load_config(name)
-  from models.hf import load_hf_config
+  from models.hf.load import load_hf_config
   path = name[len(HF_CONFIG_PREFIX):]
   arch, model = load_hf_config(path)
   return NamedConfig(name, arch, f'built from {Path(path) / "config.json"}', model, {})

@@ -87,7 +87,7 @@ def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
     raise RunError(f"--resume: no checkpoint in {out / 'checkpoints'}")
   pretrained = None
   if cfg.init_from and not cfg.resume:
-    from models.hf_finetune import load_pretrained
+    from models.hf.finetune import load_pretrained
     pretrained, notes = load_pretrained(cfg.init_from, named.arch, named.model)
     for note in notes:
       log(f'--init-from: {note}')

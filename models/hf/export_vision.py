@@ -1,7 +1,7 @@
 """Our ViT and ResNet variables -> a Hugging Face ``save_pretrained`` folder.
 
-The inverses of :func:`models.hf_layout.vit_variables` and
-:func:`models.hf_layout.resnet_variables`: a writer takes our variables and
+The inverses of :func:`models.hf.layout.vit_variables` and
+:func:`models.hf.layout.resnet_variables`: a writer takes our variables and
 config and returns the ``transformers`` state dict (numpy, HF names and torch
 layouts: Dense kernels ``[in, out]`` -> Linear weights ``[out, in]``, conv
 kernels HWIO -> OIHW, stacked layers unstacked) and the ``config.json``

@@ -1,4 +1,4 @@
-"""Our variables -> Hugging Face state dicts and configs: the inverse of :mod:`models.hf_layout`.
+"""Our variables -> Hugging Face state dicts and configs: the inverse of :mod:`models.hf.layout`.
 
 The contract every family's writer keeps (:data:`WRITERS`, one entry per arch)::
 
@@ -18,10 +18,10 @@ The contract every family's writer keeps (:data:`WRITERS`, one entry per arch)::
 A family whose folder needs files besides ``config.json``, the weights and
 the tokenizer (a vision model's ``preprocessor_config.json``) registers a
 function in :data:`EXTRA_FILES`: ``extra(config) -> {file_name: json_object}``.
-Vision writers (ViT, ResNet) live in ``models/hf_export_vision.py`` with this
+Vision writers (ViT, ResNet) live in ``models/hf/export_vision.py`` with this
 same signature and are registered here.
 
-Each writer is checked by :func:`models.hf.from_state_dict` reading its
+Each writer is checked by :func:`models.hf.load.from_state_dict` reading its
 output back to the same variables, and by ``transformers`` giving our logits
 (tests/test_export.py).
 """

@@ -6,7 +6,7 @@ patch grid, :mod:`models.vit_positions`) and the classes (the classifier is
 replaced by a zero-initialised one of the run's class count, as big_vision's
 fine-tuning configs do with ``head_zeroinit``: the first steps train the head
 from an unbiased start). Every other parameter must fit the run's config
-exactly, as in :func:`models.hf.load_hf`; the variable tree is the model's own,
+exactly, as in :func:`models.hf.load.load_hf`; the variable tree is the model's own,
 so nothing downstream knows the checkpoint had another shape.
 """
 
@@ -16,7 +16,7 @@ import dataclasses
 
 import numpy as np
 
-from models.hf import load_hf, load_hf_config
+from models.hf.load import load_hf, load_hf_config
 from models.vit_positions import resize_positions
 
 
@@ -35,7 +35,7 @@ def load_pretrained(path, arch: str, config) -> tuple[dict, list[str]]:
     new head).
 
   Raises:
-    HFImportError: one line (:func:`models.hf.load_hf`).
+    HFImportError: one line (:func:`models.hf.load.load_hf`).
   """
   their_arch, theirs = load_hf_config(path)
   if arch not in ('vit', 'resnet') or their_arch != arch:  # load_hf checks and says what is wrong

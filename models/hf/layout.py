@@ -2,7 +2,7 @@
 
 Models: GPT-2, Llama, ViT, ResNet.
 
-Pure numpy, no torch or transformers: :mod:`models.hf` reads the files and
+Pure numpy, no torch or transformers: :mod:`models.hf.load` reads the files and
 checks the result against our models; this module only maps names and
 layouts. Each ``*_variables`` function reads a :class:`StateDict` and fills
 its flat ``out`` dict, ``{('params' | 'batch_stats', *path): (array, hf_name)}``,

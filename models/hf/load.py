@@ -6,7 +6,7 @@ A checkpoint is a local ``save_pretrained`` folder: ``config.json`` (read with
 format's JSON header and raw little-endian arrays, bfloat16 included, memory
 mapped; float32, float16 and bfloat16 weights become float32). Neither torch
 nor transformers is imported, and pickles (``pytorch_model.bin``) are
-never loaded. The name and layout mapping is in :mod:`models.hf_layout`; the
+never loaded. The name and layout mapping is in :mod:`models.hf.layout`; the
 result is checked leaf by leaf against the variables our model's ``init``
 produces (traced with :func:`jax.eval_shape`, nothing allocated).
 
@@ -31,7 +31,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from models.hf_layout import CONFIGS, MODEL_TYPES, VARIABLES, HFImportError, StateDict, _few
+from models.hf.layout import CONFIGS, MODEL_TYPES, VARIABLES, HFImportError, StateDict, _few
 from models.tasks import ARCH_OF, Task
 
 __all__ = ['HFImportError', 'load_hf', 'load_hf_config', 'from_state_dict', 'read_safetensors']
