@@ -54,7 +54,7 @@ Matching the two sides:
   are skipped with a note.
 * Optimizer: both AdamW with b1 0.9, b2 0.95, eps 1e-8, weight decay 0.1 and
   global-norm clipping at 1.0. The learning rate differs (JAX: the warmup-cosine
-  schedule of :func:`training.steps.make_optimizer` with peak 1e-3 that
+  schedule of :func:`training.step.train_step.make_optimizer` with peak 1e-3 that
   :mod:`bench.zoo` uses; torch: constant 3e-4); it changes neither memory nor
   FLOPs. torch's AdamW runs its default per-parameter (for-loop) implementation
   on CPU; optax's update is fused by XLA.
@@ -105,7 +105,7 @@ LANGUAGE_ARCHS = ('gpt', 'llama')
 DEFAULT_CONFIG = {'gpt2': 'gpt2-small', 'llama': 'llama-tiny', 'vit': 'vit-b16-224',
                   'resnet': 'resnet-50'}
 DEFAULT_SEQ_LEN = 128  # capped at the config's max_len
-# What bench.zoo gives the JAX step: training.steps.make_optimizer(**bench.zoo.OPTIMIZER).
+# What bench.zoo gives the JAX step: training.step.train_step.make_optimizer(**bench.zoo.OPTIMIZER).
 JAX_OPTIMIZER = {'name': 'optax adamw (clip_by_global_norm first)', 'b1': 0.9, 'b2': 0.95,
                  'eps': 1e-8, 'weight_decay': 0.1, 'grad_clip': 1.0,
                  'lr': 'warmup-cosine schedule, peak 1e-3 (10 warm-up steps of 1000)'}
@@ -166,7 +166,7 @@ class Setup:
   size: int                    # JAX size: seq_len L (gpt) or image side S
   families: tuple[str, ...]    # requested, known names, in the order given
   steps: int
-  fused: bool = False          # JAX side runs training.fused_step's step
+  fused: bool = False          # JAX side runs training.step.fused_step's step
 
   @property
   def vision(self) -> bool:
@@ -224,7 +224,7 @@ def resolve(args) -> Setup:
     if arch == 'resnet':
       raise CompareError('--fused-update cuts a model at its one layer stack; a ResNet has one '
                          'per stage')
-    from training.fused_step import dropout_of
+    from training.step.fused_step import dropout_of
     drop = dropout_of(named.model)
     if drop:
       raise CompareError(f'--fused-update runs models without dropout; {named.name} has '

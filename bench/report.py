@@ -175,8 +175,8 @@ def _policy_report(args, named, fam, size, target, header) -> dict:
 
 
 def _mesh_report(args, named, fam, size, target, header) -> dict:
-  """Per-device plan of each policy's train step on ``--mesh`` (:mod:`training.mesh_plan`)."""
-  from training.mesh_plan import format_plan, plan_row
+  """Per-device plan of each policy's train step on ``--mesh`` (:mod:`training.step.mesh_plan`)."""
+  from training.step.mesh_plan import format_plan, plan_row
   if args.sweep or args.fit or args.time or args.device_peak or args.plot:
     raise ValueError('--mesh plans the policy table only: drop --sweep, --fit, --time, '
                      '--device-peak and --plot')
@@ -195,17 +195,17 @@ def _mesh_report(args, named, fam, size, target, header) -> dict:
 
 
 def _placement(args, target):
-  """``--mesh``'s :class:`training.mesh.Placement`: local devices, or abstract GPUs of a GPU target."""
-  from training.mesh import Placement, parse_mesh
+  """``--mesh``'s :class:`training.step.mesh.Placement`: local devices, or abstract GPUs of a GPU target."""
+  from training.step.mesh import Placement, parse_mesh
   devices = None
   if target.sharding is not None:   # a GPU target: a host of abstract GPUs, one per mesh slot
-    from training.mesh_plan import gpu_devices
+    from training.step.mesh_plan import gpu_devices
     devices = gpu_devices(target.name, math.prod(parse_mesh(args.mesh).values()))
   return Placement.from_spec(args.mesh, args.batch_size, devices)
 
 
 def _mesh_text(place) -> str:
-  from training.mesh import format_mesh
+  from training.step.mesh import format_mesh
   return format_mesh(dict(place.mesh.shape))
 
 
@@ -233,7 +233,7 @@ def _explain_report(args, named, fam, size, target, header) -> dict:
   title = header.lstrip('# ').replace(', compile only', '')
   example = case.step_args()
   shardings = outs = None
-  if args.mesh:   # the shardings the mesh table compiles (training.mesh_plan.plan_row)
+  if args.mesh:   # the shardings the mesh table compiles (training.step.mesh_plan.plan_row)
     place = _placement(args, target)
     state, batch = example
     state_sh = place.state_shardings(state)

@@ -18,15 +18,15 @@ import jax
 
 from configs import DEFAULT_CONFIG
 from models.resnet import DEPTHS as RESNET_DEPTHS, ResNetConfig
+from models.tasks import Task
 from remat import Policy, get_policy
 from remat import measuring
 from remat.measuring import Measurement, TrainStep
 from remat.memory import MemoryStats
 from remat.targets import Target
-from training import fused_step
-from training import steps as st
-from training.autoremat import source_hash
-from models.tasks import Task
+from training.step import fused_step
+from training.step import train_step as st
+from training.step.autoremat import source_hash
 
 # The optimizer every measured step uses: AdamW, peak lr 1e-3 (10 warm-up steps of 1000),
 # weight decay 0.1, global-norm clip 1.0 (baselines.compare matches its torch side to this).
@@ -136,12 +136,12 @@ class Case:
 
   @functools.cached_property
   def stack_path(self) -> tuple[str, ...]:
-    """Where the model's stacked blocks are (:func:`training.fused_step.stack_path`; traced once)."""
+    """Where the model's stacked blocks are (:func:`training.step.fused_step.stack_path`; traced once)."""
     state, batch = self.step_args()
     return fused_step.stack_path(self.task.model('none'), state.params, batch)
 
   def fused_step_args(self):
-    """Abstract ``(state, batch)`` of the fused step (:mod:`training.fused_step`)."""
+    """Abstract ``(state, batch)`` of the fused step (:mod:`training.step.fused_step`)."""
     model, tx = self.task.model('none'), _optimizer()
     state, batch = self.step_args()
     return jax.eval_shape(lambda p: fused_step.init_fused_state(model, tx, p, self.stack_path),
@@ -202,7 +202,7 @@ def measure(model_cfg, spec: str | Policy, batch_size: int, size: int, target: T
     target: where to compile for (:func:`remat.targets.get_target`).
     run: also time the step on a freshly initialised state (local backend only).
     time_steps: timed steps after 2 warm-up steps.
-    fused: measure :mod:`training.fused_step`'s step (the optimizer applied layer by
+    fused: measure :mod:`training.step.fused_step`'s step (the optimizer applied layer by
       layer in the backward pass) instead of the ordinary one.
   """
   c = case(model_cfg, batch_size, size)

@@ -15,7 +15,7 @@ from numerics import assert_trees_close
 from remat.measuring import step_memory
 from remat.residuals import saved_residuals
 from remat.tags import emitted_tags
-from training import steps as st
+from training.step import train_step as st
 
 KEY = jax.random.PRNGKey(3)
 NO_KEY = jnp.zeros((2,), jnp.uint32)

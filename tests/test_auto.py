@@ -224,7 +224,7 @@ def test_train_resolves_auto_and_records_the_spec(tmp_path, text_file):
 
   (At this small shape the optimizer state dominates: even full plans 99% of none.)
   """
-  from training.checkpoints import read_meta
+  from training.run.checkpoints import read_meta
   from training.trainer import TrainConfig, train
   lines = []
   cfg = TrainConfig(config='tiny', remat='auto:1x', steps=2, batch_size=2, seq_len=32,
@@ -292,7 +292,7 @@ def test_train_auto_plans_the_packed_batch(tmp_path):
   from pathlib import Path
   sys.path.insert(0, str(Path(__file__).parent))
   from text_fixtures import bpe_tokenizer, rows, write_jsonl
-  from training.checkpoints import read_meta
+  from training.run.checkpoints import read_meta
   from training.trainer import TrainConfig, train
   tok = bpe_tokenizer(tmp_path / 'tok', [r['prompt'] + r['completion'] for r in rows(100)])
   data = write_jsonl(tmp_path / 'd.jsonl', rows(50))

@@ -139,7 +139,7 @@ def _check_mesh_explain(path, table_path, mesh: dict, text: str):
   assert (env['mesh'], env['devices'], env['per_device']) == (names, 2, True)
   assert f'# full on {e["target"]}, per device of mesh {names} (2 devices): live peak' in text
   assert e['peak_bytes'] == max(e['timeline']) == sum(e['categories'].values())
-  # The same program as the mesh table's row (training.mesh_plan.plan_row): XLA's figures agree.
+  # The same program as the mesh table's row (training.step.mesh_plan.plan_row): XLA's figures agree.
   row = json.loads(table_path.read_text())['mesh_plan'][-1]
   assert row['policy'] == 'full'
   assert {k: e['plan'][k] for k in ('argument', 'output', 'alias', 'temp')} == {

@@ -17,18 +17,18 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
 from models.gpt import GPTConfig  # noqa: E402
-from models.hf.load import from_state_dict  # noqa: E402
 from models.hf.export import WRITERS  # noqa: E402
+from models.hf.load import from_state_dict  # noqa: E402
 from models.llama import LlamaConfig, RopeScaling  # noqa: E402
+from models.tasks import Task  # noqa: E402
 from numerics import assert_trees_close  # noqa: E402
 from text_fixtures import bpe_tokenizer, rows, write_jsonl  # noqa: E402
 from training import cli  # noqa: E402
 from training import export as export_cli  # noqa: E402
 from training import sample as sample_cli  # noqa: E402
+from training.data.text_source import load_named  # noqa: E402
 from training.export import write_weights  # noqa: E402
-from models.tasks import Task  # noqa: E402
 from training.trainer import matching_config  # noqa: E402
-from training.text_source import load_named  # noqa: E402
 
 CONFIGS = {
     'gpt': GPTConfig(vocab_size=50, max_len=16, num_layers=2, num_heads=2, d_model=16),

@@ -16,7 +16,7 @@ import pytest
 from text_fixtures import bpe_tokenizer, hf_llama, rows, write_jsonl
 from training import cli
 from training import export as export_cli
-from training.tokenizer import load_tokenizer
+from training.data.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope='module')

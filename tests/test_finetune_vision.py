@@ -12,15 +12,15 @@ transformers = pytest.importorskip('transformers')
 from PIL import Image  # noqa: E402
 
 from configs import load_config  # noqa: E402
-from training import export as export_cli  # noqa: E402
 from models.hf.finetune import load_pretrained  # noqa: E402
+from models.tasks import Task  # noqa: E402
 from models.vit import ViTConfig  # noqa: E402
 from numerics import assert_trees_close  # noqa: E402
 from test_image_folder import write_folder as write_images  # noqa: E402
-from training import checkpoints as ckpt  # noqa: E402
+from training import export as export_cli  # noqa: E402
 from training import cli  # noqa: E402
-from training import steps as st  # noqa: E402
-from models.tasks import Task  # noqa: E402
+from training.run import checkpoints as ckpt  # noqa: E402
+from training.step import train_step as st  # noqa: E402
 
 IMAGENET = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
 

@@ -1,4 +1,4 @@
-"""training.fused_step: our GPT-2, Llama and ViT cut at their layer stack for remat.fused_update.
+"""training.step.fused_step: our GPT-2, Llama and ViT cut at their layer stack for remat.fused_update.
 
 One fused step moves every parameter by the ordinary step's gradient (plain SGD,
 so the move is the gradient itself: Adam's first step divides each gradient by
@@ -17,9 +17,9 @@ import optax
 import pytest
 
 from configs import load_config
-from training import fused_step as fs
-from training import steps as st
 from models.tasks import Task
+from training.step import fused_step as fs
+from training.step import train_step as st
 
 TX = optax.sgd(1.0)
 

@@ -13,12 +13,12 @@ import numpy as np
 import optax
 import pytest
 
-from models.gpt import GPT, GPTConfig
 from models.chunked_loss import chunked_cross_entropy, loss_chunk_tokens
+from models.gpt import GPT, GPTConfig
+from models.tasks import Task
 from numerics import assert_trees_close
 from remat.memory import compiled_memory
-from training import steps as st
-from models.tasks import Task
+from training.step import train_step as st
 
 # A vocabulary large enough that the [B*T, V] logits dominate the activations.
 WIDE_VOCAB = GPTConfig(vocab_size=4096, max_len=32, num_layers=2, num_heads=2, d_model=32,

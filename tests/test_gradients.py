@@ -9,7 +9,7 @@ from models.gpt import GPT, TAGS
 from numerics import assert_trees_close
 from remat.policies import registered_specs
 from remat.tags import emitted_tags
-from training import steps as st
+from training.step import train_step as st
 
 # The small model has 5 layers: sqrt -> segments of 2 with a remainder of 1; seg:3 -> 3 + 2.
 SEGMENTED = ['sqrt', 'seg:2', 'seg:3', 'seg:5', 'seg:1', 'full@sqrt', 'dots@seg:3',

@@ -1,4 +1,4 @@
-"""training/image_folder.py: layouts, the deterministic split, augmentation, errors, Grain."""
+"""training/data/image_folder.py: layouts, the deterministic split, augmentation, errors, Grain."""
 
 import json
 
@@ -7,7 +7,7 @@ import pytest
 from PIL import Image, ImageDraw
 
 from training.data import DataError
-from training.image_folder import (DEFAULT_NORMALISATION, Normalisation, class_names,
+from training.data.image_folder import (DEFAULT_NORMALISATION, Normalisation, class_names,
                                    load_image_folder, normalisation)
 
 NORM = Normalisation((0.5, 0.5, 0.5), (0.5, 0.5, 0.5), 'test')

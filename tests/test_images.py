@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from training.data import DataError
-from training.images import CLASSES, ShapesData, load_images
+from training.data.shapes import CLASSES, ShapesData, load_images
 
 
 def spectra(images):

@@ -8,11 +8,11 @@ transformers = pytest.importorskip('transformers')
 
 from configs import load_config  # noqa: E402
 from models.hf.load import load_hf  # noqa: E402
+from models.tasks import Task  # noqa: E402
 from numerics import assert_trees_close  # noqa: E402
 from training import cli  # noqa: E402
-from training.checkpoints import restore  # noqa: E402
-from training import steps as st  # noqa: E402
-from models.tasks import Task  # noqa: E402
+from training.run.checkpoints import restore  # noqa: E402
+from training.step import train_step as st  # noqa: E402
 
 
 @pytest.fixture(scope='module')

@@ -176,7 +176,7 @@ def test_no_policy_saves_attention_scores(policy):
   # A GPT under `dots` kept the [B, H, T, T] scores (dot_general outputs) while `none`
   # kept none of them; the scores call is opaque to policies, so neither does.
   from models.gpt import GPT, GPTConfig
-  from training import steps as st
+  from training.step import train_step as st
   cfg = GPTConfig(vocab_size=64, max_len=24, num_layers=2, num_heads=2, d_model=16)
   params = GPT(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 24), jnp.int32))['params']
   windows = jnp.zeros((3, 25), jnp.int32)

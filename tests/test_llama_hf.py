@@ -24,12 +24,12 @@ transformers = pytest.importorskip('transformers')
 from configs import load_config  # noqa: E402
 from models.hf.load import from_state_dict, load_hf, load_hf_config  # noqa: E402
 from models.llama import RopeScaling  # noqa: E402
+from models.tasks import Task  # noqa: E402
 from numerics import assert_trees_close  # noqa: E402
 from test_hf_parity import _enable_checkpointing, _one_line_error  # noqa: E402
 from training import cli  # noqa: E402
-from training.checkpoints import restore  # noqa: E402
-from training import steps as st  # noqa: E402
-from models.tasks import Task  # noqa: E402
+from training.run.checkpoints import restore  # noqa: E402
+from training.step import train_step as st  # noqa: E402
 
 BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
             num_attention_heads=4, max_position_embeddings=128, rms_norm_eps=1e-5)

@@ -6,13 +6,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from bench.zoo import grad_memory
 from configs import load_config
 from models.gpt import GPT, GPTConfig
-from bench.zoo import grad_memory
 from remat.memory import MemoryStats, compiled_memory, format_bytes
 from remat.residuals import saved_residuals
 from remat.targets import get_target
-from training import steps as st
+from training.step import train_step as st
 
 # Wide enough that activations dominate parameter-sized buffers.
 CONFIG = GPTConfig(vocab_size=256, max_len=64, num_layers=4, num_heads=4, d_model=64)

@@ -1,4 +1,4 @@
-"""Training on a device mesh (training/mesh.py): sharding rules, numerics, memory, processes, resume.
+"""Training on a device mesh (training/step/mesh.py): sharding rules, numerics, memory, processes, resume.
 
 The pytest process has one CPU device and must keep it (the rest of the suite runs
 there), so everything that needs 8 devices runs in a subprocess of this file
@@ -64,7 +64,7 @@ def _losses(out: Path) -> list[float]:
 # In-process: parsing and the sharding rule ---------------------------------------------------
 def test_parse_mesh_and_sharding_rule():
   from jax.sharding import PartitionSpec as P
-  from training.mesh import array_spec, parse_mesh
+  from training.step.mesh import array_spec, parse_mesh
   assert parse_mesh('fsdp=8') == {'data': 1, 'fsdp': 8}
   assert parse_mesh(' data=2 , fsdp=4') == {'data': 2, 'fsdp': 4}
   assert array_spec((6, 128, 512), 8) == P(None, None, 'fsdp')     # largest axis
@@ -99,7 +99,7 @@ def test_llama_partition_specs(config, extra):
   import jax
   from jax.sharding import PartitionSpec as P
   from configs import load_config
-  from training.mesh import array_spec
+  from training.step.mesh import array_spec
   from models.tasks import Task
   task = Task(load_config(config).model)
   model = task.model('none')
@@ -168,7 +168,7 @@ def test_variables_alone_start_a_run():
     port = s.getsockname()[1]
   env = {**_env(1), 'JAX_COORDINATOR_ADDRESS': f'localhost:{port}', 'JAX_NUM_PROCESSES': '1',
          'JAX_PROCESS_ID': '0'}
-  code = ('import jax; from training.mesh import start_processes; '
+  code = ('import jax; from training.step.mesh import start_processes; '
           'assert start_processes(None, None, None); '
           'print("processes", jax.process_count(), "index", jax.process_index())')
   run = subprocess.run([sys.executable, '-c', code], cwd=ROOT, env=env, capture_output=True,
@@ -269,7 +269,7 @@ def _grads_worker(config: str, spec: str, meshes: list[str]):
   import jax
   from configs import load_config
   from numerics import assert_trees_close
-  from training.mesh import Placement
+  from training.step.mesh import Placement
   from models.tasks import Task
   assert jax.device_count() == 8
   task = Task(load_config(config).model)
@@ -300,8 +300,8 @@ def _memory_worker(config: str, full: bool):
   import jax
   from configs import load_config
   from remat.memory import compiled_memory
-  from training import steps as st
-  from training.mesh import Placement
+  from training.step import train_step as st
+  from training.step.mesh import Placement
   from models.tasks import Task
   task = Task(load_config(config).model)
   model, tx = task.model('full'), st.make_optimizer(1e-3, 100, 10, 0.1, 1.0)

@@ -7,7 +7,7 @@ import pytest
 
 from models.gpt import GPT
 from numerics import EPS32, RTOL, assert_trees_close, tree_scale
-from training import steps as st
+from training.step import train_step as st
 
 
 def test_rtol_is_a_few_dozen_float32_eps():

@@ -24,7 +24,7 @@ from numerics import assert_trees_close
 from remat.policies import registered_specs
 from remat.residuals import saved_residuals
 from test_vision import RESNET, VIT, _batch, _loss_grads, _state, _stats
-from training import steps as st
+from training.step import train_step as st
 from models.tasks import Task
 
 BF16 = 'bfloat16'

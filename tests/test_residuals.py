@@ -6,7 +6,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.gpt import GPT
 from remat.residuals import by_tag, saved_residuals
-from training import steps as st
+from training.step import train_step as st
 
 L, M, K = 6, 8, 16
 LAYER = M * K * 4  # one float32 [M, K] activation

@@ -1,4 +1,4 @@
-"""Tokenizers and the token cache (training/tokenizer.py, training/text_data.py)."""
+"""Tokenizers and the token cache (training/data/tokenizer.py, training/data/packed_text.py)."""
 
 import json
 
@@ -7,8 +7,8 @@ import pytest
 
 from text_fixtures import EOT, bpe_tokenizer, rows, write_jsonl
 from training.data import DataError
-from training.text_data import cache_root, load_tokens
-from training.tokenizer import ByteTokenizer, TokenizerError, load_tokenizer
+from training.data.packed_text import cache_root, load_tokens
+from training.data.tokenizer import ByteTokenizer, TokenizerError, load_tokenizer
 
 
 @pytest.fixture(scope='module')

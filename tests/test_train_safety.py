@@ -26,10 +26,11 @@ import pytest
 from configs import load_config
 from conftest import DEFAULT_EMITTERS
 from models.gpt import GPT, GPTConfig
-from training import checkpoints as ckpt
-from training import cli, resume_check, rundir
-from training.guard import GuardConfig, LossGuard
-from training import steps as st
+from training.run import checkpoints as ckpt
+from training import cli
+from training.run import resume_check, rundir
+from training.run.loss_guard import GuardConfig, LossGuard
+from training.step import train_step as st
 from training import trainer
 from training.trainer import DivergedError, TrainConfig, resolve, train
 
@@ -724,7 +725,7 @@ def test_sigterm_during_a_save_is_one_line_and_the_save_completes(base, tmp_path
 def test_full_disk_in_a_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
   """In-process: the ENOSPC of ENOSPC above, raised inside orbax's save of step 2."""
   from etils.epath import abstract_path
-  from training import orbax_noise
+  from training.run import orbax_noise
   real = abstract_path.Path.write_text
 
   def write_text(self, *args, **kwargs):

@@ -11,13 +11,13 @@ from flax import traverse_util
 from configs import config_names, load_config
 from models.resnet import TAGS as RESNET_TAGS
 from models.resnet import ResNet, ResNetConfig
+from models.tasks import Task
 from models.vit import TAGS as VIT_TAGS
 from models.vit import ViT, ViTConfig
 from numerics import assert_trees_close
 from remat.memory import compiled_memory
 from remat.tags import emitted_tags
-from training import steps as st
-from models.tasks import Task
+from training.step import train_step as st
 
 # 5 layers: sqrt -> segments of 2 plus a remainder of 1. Dropout on.
 VIT = ViTConfig(image_size=16, patch_size=4, num_classes=5, num_layers=5, num_heads=2, d_model=32,

@@ -9,9 +9,9 @@ import sys
 from configs import DEFAULT_CONFIG, config_names
 from remat.policies import PolicyError, list_policies
 from remat.targets import prefer_cpu_without_gpu
-from training import mesh as meshlib
 from training.data import DataError
-from training.text_source import load_named
+from training.data.text_source import load_named
+from training.step import mesh as meshlib
 from training.trainer import (DivergedError, RunError, TrainConfig, default_config,
                               matching_config, read_meta, train)
 

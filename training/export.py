@@ -84,9 +84,9 @@ def export(run_dir, out_dir, dtype: str = 'float32', max_shard_bytes: int = DEFA
   """
   from models.hf import export_vision as vision
   from models.hf.export import EXTRA_FILES, WRITERS
-  from training.saved_run import load_run
-  from training.text_source import RUN_TOKENIZER_DIR
-  from training.tokenizer import COMPANION_FILES, TOKENIZER_FILE, load_tokenizer
+  from training.data.text_source import RUN_TOKENIZER_DIR
+  from training.data.tokenizer import COMPANION_FILES, TOKENIZER_FILE, load_tokenizer
+  from training.run.saved_run import load_run
   if dtype not in DTYPES:
     raise ExportError(f"--dtype {dtype}: valid: {', '.join(DTYPES)}")
   if max_shard_bytes < 1:
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   from remat.targets import prefer_cpu_without_gpu
   prefer_cpu_without_gpu()
-  from training.saved_run import RunReadError
+  from training.run.saved_run import RunReadError
   try:
     export(args.run_dir, args.out_dir, args.dtype, args.max_shard_size)
   except (ExportError, RunReadError, ValueError) as e:

@@ -74,8 +74,8 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   from remat.targets import prefer_cpu_without_gpu
   prefer_cpu_without_gpu()
-  from training.saved_run import RunReadError, load_run
-  from training.text_source import run_tokenizer
+  from training.data.text_source import run_tokenizer
+  from training.run.saved_run import RunReadError, load_run
   try:
     if args.max_new_tokens < 1:
       raise SampleError(f'--max-new-tokens must be >= 1, got {args.max_new_tokens}')

@@ -1,4 +1,4 @@
-"""The training run: memory line, loop, metrics and checkpoints (settings: :mod:`training.run_config`)."""
+"""The training run: memory line, loop, metrics and checkpoints (settings: :mod:`training.run.settings`)."""
 
 from __future__ import annotations
 
@@ -16,19 +16,19 @@ import numpy as np
 from tqdm import tqdm
 
 from configs import NamedConfig
+from models.tasks import Task
 from remat.memory import MemoryStats, compiled_memory, format_bytes
 from remat.policies import Policy, get_policy
-from training import checkpoints as ckpt
-from training import mesh as meshlib
-from training import resume_check
-from training import rundir
-from training import steps as st
-from training.guard import GuardConfig, LossGuard
-from training.run_config import (  # noqa: F401  (the run's settings, re-exported for callers)
+from training.data.text_source import HF_CONFIG_PREFIX, open_text, save_tokenizer, tokenizer_for_run
+from training.run import checkpoints as ckpt
+from training.run import resume_check
+from training.run import rundir
+from training.run.loss_guard import GuardConfig, LossGuard
+from training.run.settings import (  # noqa: F401  (the run's settings, re-exported for callers)
     DivergedError, RunError, TrainConfig, default_config, matching_config,
     resolve)
-from models.tasks import Task
-from training.text_source import HF_CONFIG_PREFIX, open_text, save_tokenizer, tokenizer_for_run
+from training.step import mesh as meshlib
+from training.step import train_step as st
 
 
 def memory_line(policy: Policy, mem: MemoryStats, base: MemoryStats) -> str:
@@ -96,7 +96,7 @@ def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
   data = _data(cfg, task, size, log, place)
   auto_choice = None
   if policy is None:
-    from training.autoremat import choose_for_run
+    from training.step.autoremat import choose_for_run
     auto_choice = choose_for_run(cfg, named, task, size, log, place, _data_batch(task, data[1]))
     policy = get_policy(auto_choice.spec, num_layers=task.num_layers)
   try:
@@ -325,7 +325,7 @@ def _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, m
                       **{f'{unit}_s': f'{per_step / (t1 - t0):.0f}'})
       bar.update()
       last = step + 1 == cfg.steps
-      # A checkpoint is written only after a healthy step (training/guard.py); other saves
+      # A checkpoint is written only after a healthy step (training/run/loss_guard.py); other saves
       # wait for the next. The final state's held-out loss, computed with it, may vouch for it.
       due = last or mngr.should_save(step + 1)
       if due and last and not (guard.last_healthy or guard.healthy(row.get('val_loss'))):
@@ -391,7 +391,7 @@ def _data_batch(task: Task, val):
 def _data(cfg: TrainConfig, task: Task, size: int, log, place: meshlib.Placement):
   """(batch_at(step), validation batches, what the run records about its data); logs the data."""
   if task.is_vision:
-    from training.vision_data import open_vision_data
+    from training.data.vision_source import open_vision_data
     return open_vision_data(cfg, task, size, log, place.local_rows(cfg.batch_size))
   return open_text(cfg, size, log, place.local_rows(cfg.batch_size))
 

@@ -231,12 +231,12 @@ class Placement:
   def compile_train_step(self, model, tx, seed: int, state, batch, guard: bool = False):
     """AOT-compiles the train step for abstract ``state`` and ``batch`` (see :func:`jit_train_step`).
 
-    Off-mesh this is :func:`training.steps.compile_train_step`; on a mesh the
+    Off-mesh this is :func:`training.step.train_step.compile_train_step`; on a mesh the
     compiled program is XLA's partitioned (per-device) program, so its
     ``memory_analysis()`` is per device.
     """
     from remat.targets import compiler_options
-    from training import steps as st
+    from training.step import train_step as st
     if self.mesh is None:
       return st.compile_train_step(model, tx, seed, state, batch, guard=guard)
     step = self.jit_train_step(st.make_train_step(model, tx, seed, guard), state, batch)

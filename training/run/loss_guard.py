@@ -1,6 +1,6 @@
 """The loss guard: keeps a blown-up (but finite) state out of the checkpoints.
 
-A non-finite loss is caught inside the compiled step (:mod:`training.steps`).
+A non-finite loss is caught inside the compiled step (:mod:`training.step.train_step`).
 A *finite* blow-up is not: at a too-high learning rate one update can throw
 the parameters far away while every number stays finite, and the next losses
 read 1e4, 1e9, ... This guard compares each step's loss with the run's own

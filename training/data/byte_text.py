@@ -18,12 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
+from training.data import DataError
+
 _SKIP_DIRS = {'site-packages', 'dist-packages', 'test', 'tests', 'idlelib', '__pycache__'}
 VAL_EVERY = 10
-
-
-class DataError(ValueError):
-  """Unusable data path or too little text; the message is one line."""
 
 
 def stdlib_files() -> list[Path]:

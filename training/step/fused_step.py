@@ -9,7 +9,7 @@ RoPE tables) as the model passed them.
 
 Semantics (docs/own-model.md, docs/pytorch.md): the loss and gradients are the
 ordinary step's. AdamW is elementwise, so each layer's update is the ordinary
-one; the global-norm clip of :func:`training.steps.make_optimizer` becomes a
+one; the global-norm clip of :func:`training.step.train_step.make_optimizer` becomes a
 clip of each layer's gradient by its own norm (and of the parameters outside
 the stack by theirs). Deterministic models only: a block's dropout key would
 have to come from the stack.
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 
 import remat
-from training.steps import TrainState, _task
+from training.step.train_step import TrainState, _task
 
 
 class FusedStepError(ValueError):

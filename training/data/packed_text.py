@@ -42,8 +42,9 @@ from typing import Iterator
 import numpy as np
 from tqdm import tqdm
 
-from training.data import DataError, VAL_EVERY, stdlib_files
-from training.tokenizer import ByteTokenizer
+from training.data import DataError
+from training.data.byte_text import VAL_EVERY, stdlib_files
+from training.data.tokenizer import ByteTokenizer
 
 CACHE_VERSION = 1
 CHUNK_DOCS = 1024      # documents handed to the tokenizer at once
@@ -273,7 +274,7 @@ class TokenData:
             rows: tuple[int, ...] | None = None) -> dict[str, np.ndarray]:
     """Training windows of ``seq_len + 1`` tokens for ``step``: a pure function of (seed, step).
 
-    ``rows`` (a process's share on a mesh, :meth:`training.mesh.Placement.local_rows`): only
+    ``rows`` (a process's share on a mesh, :meth:`training.step.mesh.Placement.local_rows`): only
     those windows are read from the memory map; the other rows are zeros, which the process
     never hands to a device. Every process draws the same starts, so the batch is the same
     global batch whichever process reads which rows.
@@ -308,7 +309,7 @@ def load_tokens(path: str | None, tokenizer, seq_len: int, cache: Path | None = 
 
   Args:
     path: a text file, a ``.jsonl`` file, or a folder of either; None: the Python stdlib source.
-    tokenizer: a :mod:`training.tokenizer` tokenizer.
+    tokenizer: a :mod:`training.data.tokenizer` tokenizer.
     seq_len: the window length; both splits must hold more than ``seq_len + 1`` tokens.
     cache: the cache root (default :func:`cache_root`).
 
@@ -338,5 +339,5 @@ def load_tokens(path: str | None, tokenizer, seq_len: int, cache: Path | None = 
 
 
 def byte_level_default(path: str | None, tokenizer) -> bool:
-  """True when the run takes :mod:`training.data`'s plain byte stream (the README's run)."""
+  """True when the run takes :mod:`training.data.byte_text`'s plain byte stream (the README's run)."""
   return isinstance(tokenizer, ByteTokenizer) and not is_jsonl(path)

@@ -2,9 +2,9 @@
 
 One place decides, from a run's settings, how text becomes batches:
 
-* no tokenizer and no ``.jsonl`` data: :mod:`training.data`'s byte stream (the
+* no tokenizer and no ``.jsonl`` data: :mod:`training.data.byte_text`'s byte stream (the
   README's run, unchanged);
-* otherwise :mod:`training.text_data`: documents tokenized once into a cache
+* otherwise :mod:`training.data.packed_text`: documents tokenized once into a cache
   and packed into windows with segment ids, positions and a loss mask.
 
 The tokenizer is ``--tokenizer`` when given, else the ``--init-from`` folder's
@@ -25,9 +25,9 @@ import shutil
 from pathlib import Path
 
 from configs import NamedConfig, load_config
-from training.data import load_text
-from training.text_data import byte_level_default, load_tokens
-from training.tokenizer import (COMPANION_FILES, TOKENIZER_FILE, ByteTokenizer, HFTokenizer,
+from training.data.byte_text import load_text
+from training.data.packed_text import byte_level_default, load_tokens
+from training.data.tokenizer import (COMPANION_FILES, TOKENIZER_FILE, ByteTokenizer, HFTokenizer,
                                 find_tokenizer, load_tokenizer)
 
 HF_CONFIG_PREFIX = 'hf:'

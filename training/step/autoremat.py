@@ -1,10 +1,10 @@
 """``train.py --remat=auto:...``: the policy of least recompute whose plan of this run's step fits.
 
-The step planned is the one training compiles (:func:`training.steps.make_train_step`
+The step planned is the one training compiles (:func:`training.step.train_step.make_train_step`
 with the run's optimizer, seed and non-finite guard) for the local backend,
 so the chosen plan is the plan that trains. With ``--mesh`` it is the step
 partitioned over that mesh with the run's shardings
-(:meth:`training.mesh.Placement.jit_train_step`): plans and the budget are per
+(:meth:`training.step.mesh.Placement.jit_train_step`): plans and the budget are per
 device, and the mesh is part of the cache key. The answer is cached
 (:mod:`remat.auto_cache`), keyed by the model config, shapes, optimizer
 settings and a hash of the model and training source.
@@ -16,11 +16,11 @@ import dataclasses
 
 import jax
 
+from models.tasks import Task
 from remat import auto
 from remat.auto_budget import Budget, parse_budget
 from remat.measuring import TrainStep
-from training import steps as st
-from models.tasks import Task
+from training.step import train_step as st
 
 
 def local_budget(text: str) -> Budget:
@@ -50,7 +50,7 @@ def choose_for_run(cfg, named, task: Task, size: int, log, place=None, batch=Non
     task: the task at ``size``.
     size: sequence length or image side.
     log: where the search's lines and the answer go.
-    place: the run's :class:`training.mesh.Placement` (None or no mesh: one device).
+    place: the run's :class:`training.step.mesh.Placement` (None or no mesh: one device).
     batch: the run's batch (ShapeDtypeStructs), when it is not the task's plain one (packed
       text carries segment ids and positions, and attends within documents).
   """

@@ -14,9 +14,9 @@ from typing import Any
 import jax
 
 from configs import ARCHS
-from training import checkpoints as ckpt
-from training import steps as st
 from models.tasks import Task
+from training.run import checkpoints as ckpt
+from training.step import train_step as st
 
 
 class RunReadError(ValueError):

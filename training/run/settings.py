@@ -11,13 +11,13 @@ import math
 from pathlib import Path
 
 from configs import DEFAULT_CONFIG, NamedConfig, config_names, load_config, with_dtype
+from models.tasks import Task
 from remat.auto_budget import is_auto, parse_budget
 from remat.policies import Policy, get_policy
-from training import resume_check
-from training import rundir
-from training.guard import GuardConfig
-from models.tasks import Task
-from training.text_source import HF_CONFIG_PREFIX, load_named, tokenizer_for_run
+from training.data.text_source import HF_CONFIG_PREFIX, load_named, tokenizer_for_run
+from training.run import resume_check
+from training.run import rundir
+from training.run.loss_guard import GuardConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +29,7 @@ class TrainConfig:
   must have. ``dtype`` (None: the model config's) overrides the model config's
   compute dtype (docs/precision.md). ``restart`` and ``allow_changed`` act on
   one invocation and are not recorded; ``spike_*`` are the loss guard's
-  thresholds (:mod:`training.guard`).
+  thresholds (:mod:`training.run.loss_guard`).
   """
   config: str = 'tiny'
   remat: str = 'sqrt'
@@ -52,7 +52,7 @@ class TrainConfig:
   save_every: int = 100
   memory_report: bool = True
   skip_nonfinite: int = 0
-  mesh: str | None = None  # --mesh AXIS=N,...; None: one device (training/mesh.py)
+  mesh: str | None = None  # --mesh AXIS=N,...; None: one device (training/step/mesh.py)
   dtype: str | None = None
   restart: bool = False
   allow_changed: str | None = None  # --allow-changed a,b: compared settings a resume may change
@@ -60,7 +60,7 @@ class TrainConfig:
   spike_margin: float = GuardConfig.margin
   spike_patience: int = GuardConfig.patience
   data_workers: int | None = None  # image folders: Grain worker processes (None: by core count)
-  tokenizer: str | None = None  # None: --init-from's tokenizer, else bytes (training/tokenizer.py)
+  tokenizer: str | None = None  # None: --init-from's tokenizer, else bytes (training/data/tokenizer.py)
 
   @property
   def out_dir(self) -> Path:
@@ -114,7 +114,7 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
   Returns:
     (named config, task, size, policy); size is the sequence length (GPT) or
     the image side (vision). policy is None for an ``auto`` budget, which
-    :func:`train` resolves by compiling (:mod:`training.autoremat`).
+    :func:`train` resolves by compiling (:mod:`training.step.autoremat`).
   """
   _check_positive(cfg)
   named = with_dtype(load_named(cfg.config), cfg.dtype)
@@ -132,7 +132,7 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
     if task.arch == 'resnet' and size < 32:
       raise RunError(f'--image-size must be >= 32 for a ResNet, got {size}')
     # The model at the run's image side, with a classifier for the data's classes.
-    from training.vision_data import num_classes
+    from training.data.vision_source import num_classes
     named = dataclasses.replace(named, model=dataclasses.replace(
         model_cfg, image_size=size, num_classes=num_classes(cfg.data, model_cfg.num_classes)))
     task, model_cfg = Task(named.model), named.model

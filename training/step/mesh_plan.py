@@ -26,7 +26,7 @@ import jax
 
 from remat.memory import MemoryStats, compiled_memory, format_bytes
 from remat.targets import GPU_TARGETS, TARGET_DIR, compiler_options
-from training.mesh import Placement
+from training.step.mesh import Placement
 
 
 def gpu_devices(target: str, count: int) -> list:

@@ -1,6 +1,6 @@
 """Orbax checkpoints that can be trusted: never non-finite, digest-verified, with fallback restore.
 
-Each checkpoint holds two items: ``state`` (the :class:`~training.steps.TrainState`)
+Each checkpoint holds two items: ``state`` (the :class:`~training.step.train_step.TrainState`)
 and ``meta`` (JSON: config, model, policy, settings, and ``digest``, a SHA-256 of
 the saved arrays). Orbax writes a step into a temporary folder and renames it
 when complete, so a kill mid-save leaves no half checkpoint under a step name;
@@ -13,9 +13,9 @@ re-saves) with a warning naming what was wrong.
 
 A save is one step that either completes or leaves only a temporary folder:
 SIGINT and SIGTERM wait for it to finish (then interrupt the run), and a full
-disk removes the partial folder and raises :class:`~training.rundir.DiskFullError`.
+disk removes the partial folder and raises :class:`~training.run.rundir.DiskFullError`.
 Orbax's own reports of the failure are kept off the terminal
-(:mod:`training.orbax_noise`); the caller reports it in one line.
+(:mod:`training.run.orbax_noise`); the caller reports it in one line.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from training import orbax_noise, rundir
+from training.run import orbax_noise, rundir
 
 MAX_TO_KEEP = 2
 TMP_SUFFIX = '.orbax-checkpoint-tmp'  # orbax's name for a step folder being written

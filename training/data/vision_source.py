@@ -14,9 +14,9 @@ from typing import Any, Callable
 import jax.numpy as jnp
 import numpy as np
 
-from training.image_folder import (ImageFolderData, class_names, default_workers,
+from training.data.image_folder import (ImageFolderData, class_names, default_workers,
                                    load_image_folder, normalisation)
-from training.images import CLASSES, PIXEL_MEAN, PIXEL_STD, load_images
+from training.data.shapes import CLASSES, PIXEL_MEAN, PIXEL_STD, load_images
 
 
 def num_classes(data: str | None, config_classes: int) -> int:
