@@ -3,7 +3,7 @@
 A :class:`Task` pairs a model config with its batch format and loss:
 
 * ``gpt`` / ``llama``: batches of token windows ``int32 [B, T + 1]``; next-token
-  cross-entropy. Windows packed from several documents (:mod:`training.text_data`)
+  cross-entropy. Windows packed from several documents (:mod:`training.data.packed_text`)
   are a dict of four ``[B, T + 1]`` arrays, :data:`PACKED_KEYS`: ``tokens``,
   ``segment_ids`` (the document of each token: attention stays within it),
   ``positions`` (restarting at 0 per document) and ``loss_mask`` (1 where the
@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from models.gpt import GPT, GPTConfig
 from models.chunked_loss import chunked_cross_entropy, loss_chunk_tokens
+from models.gpt import GPT, GPTConfig
 from models.llama import Llama, LlamaConfig, output_embedding
 from models.resnet import ResNet, ResNetConfig
 from models.vit import ViT, ViTConfig

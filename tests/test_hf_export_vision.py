@@ -10,14 +10,14 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
 from configs import load_config  # noqa: E402
-from models.hf.load import load_hf, read_safetensors  # noqa: E402
 from models.hf.export_vision import (ExportError, resnet_writer, vit_writer,  # noqa: E402
                                      write_folder)
 from models.hf.finetune import load_pretrained  # noqa: E402
+from models.hf.load import load_hf, read_safetensors  # noqa: E402
 from models.resnet import ResNetConfig  # noqa: E402
+from models.tasks import Task  # noqa: E402
 from models.vit_positions import resize_positions  # noqa: E402
 from numerics import assert_trees_close  # noqa: E402
-from models.tasks import Task  # noqa: E402
 
 TINY_VIT = dict(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2,
                 num_attention_heads=2, intermediate_size=64, num_labels=3)

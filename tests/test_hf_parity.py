@@ -22,9 +22,9 @@ transformers = pytest.importorskip('transformers')
 
 from models.gpt import GPTConfig  # noqa: E402
 from models.hf.load import HFImportError, from_state_dict, load_hf, load_hf_config  # noqa: E402
+from models.tasks import Task  # noqa: E402
 from models.vit import ViTConfig  # noqa: E402
 from numerics import RTOL, assert_trees_close  # noqa: E402
-from models.tasks import Task  # noqa: E402
 
 # Elementwise |ours - torch| <= rtol * (|torch| + S), S the largest gradient of the model
 # (tests/numerics.py). ResNet's is twice the default: against a float64 torch reference,

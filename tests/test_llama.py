@@ -13,9 +13,9 @@ import pytest
 from configs import config_names, load_config
 from models.llama import (TAGS, Llama, LlamaConfig, RopeScaling, SwiGLUDown, apply_rotary,
                           output_embedding, rope_frequencies, rotary_tables)
+from models.tasks import Task
 from numerics import assert_trees_close
 from remat.policies import registered_specs
-from models.tasks import Task
 
 # Small enough to compile in about a second: 2 query heads per key/value head, an odd depth so
 # sqrt and seg:2 leave a remainder segment.

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from models.attention import attention, blockwise_attention
-from models.gpt import GPTConfig
 from models.chunked_loss import chunked_cross_entropy
+from models.gpt import GPTConfig
 from models.llama import LlamaConfig
-from numerics import assert_trees_close
 from models.tasks import Task
+from numerics import assert_trees_close
 
 SEGS = np.array([[0, 0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2],
                  [0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2]], np.int32)
