@@ -86,6 +86,7 @@ import platform
 import sys
 
 from baselines.compare_output import JAX_WARMUP_STEPS, footer, format_table, plot
+from training.arguments import OneLineParser
 
 # Our policy for each PyTorch family: the JAX row of that family measures this spec.
 FAMILY_POLICY = {
@@ -118,13 +119,6 @@ class CompareError(ValueError):
   """A one-line error for the command line."""
 
 
-class _Parser(argparse.ArgumentParser):
-  """argparse whose usage errors are one line and a CompareError (exit code 2 from main)."""
-
-  def error(self, message):
-    raise CompareError(message)
-
-
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
   """The flags that pick the model, shapes and families (what :func:`resolve` checks)."""
   p.add_argument('--model', required=True, help=f"model: {', '.join(MODELS)}")
@@ -143,7 +137,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  p = _Parser(prog=f'python -m {PROG}', description=__doc__.splitlines()[0])
+  p = OneLineParser(prog=f'python -m {PROG}', description=__doc__.splitlines()[0])
   add_model_arguments(p)
   p.add_argument('--steps', type=int, default=3, help='timed steps per row (median)')
   p.add_argument('--fused-update', action='store_true',

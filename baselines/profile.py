@@ -39,8 +39,9 @@ import re
 import sys
 import tempfile
 
-from baselines.compare import (FAMILY_POLICY, CompareError, _Parser, add_model_arguments,
-                               host_malloc, load_torch, resolve, torch_fields, torch_shape)
+from baselines.compare import (FAMILY_POLICY, CompareError, add_model_arguments, host_malloc,
+                               load_torch, resolve, torch_fields, torch_shape)
+from training.arguments import OneLineParser
 
 PROG = 'baselines.profile'
 CATEGORIES = ('matmul & conv', 'attention', 'copies', 'other')
@@ -161,7 +162,7 @@ def format_rows(rows: list[dict]) -> list[str]:
 
 
 def build_parser():
-  p = _Parser(prog=f'python -m {PROG}', description=__doc__.splitlines()[0])
+  p = OneLineParser(prog=f'python -m {PROG}', description=__doc__.splitlines()[0])
   add_model_arguments(p)
   p.add_argument('--steps', type=int, default=1, help='profiled steps per side (averaged)')
   return p

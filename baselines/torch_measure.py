@@ -56,6 +56,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from baselines.torch_models import LANGUAGE_MODELS, build_model, input_shape, make_batch
 from baselines.torch_policies import apply_policy, check_supported
+from training.arguments import OneLineParser
 
 _aten = torch.ops.aten
 # FlopCounterMode has no formula for the CPU flash-attention kernel that sdpa uses on CPU
@@ -330,17 +331,27 @@ def _measure_in_fresh_process(args: dict, device: str, timeout: float) -> TorchM
   return TorchMeasurement(**json.loads(lines[-1]))
 
 
+def _json_object(text: str) -> dict:
+  try:
+    value = json.loads(text)
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(f'not JSON: {e}') from None
+  if not isinstance(value, dict):
+    raise argparse.ArgumentTypeError('expected a JSON object of measure_torch arguments')
+  return value
+
+
 def main(argv=None) -> int:
   """``python -m baselines.torch_measure [--device D] ARGS_JSON``: one measurement as a JSON line.
 
   ARGS_JSON holds :func:`measure_torch`'s arguments (model, model_fields,
   family, batch_size, seq_len, image_size, steps, seed, attn_implementation).
   """
-  p = argparse.ArgumentParser(prog='python -m baselines.torch_measure')
+  p = OneLineParser(prog='python -m baselines.torch_measure')
   p.add_argument('--device', default='cpu')
-  p.add_argument('args_json')
+  p.add_argument('args_json', type=_json_object, metavar='ARGS_JSON')
   a = p.parse_args(argv)
-  args = json.loads(a.args_json)
+  args = a.args_json
   check_supported(args['model'], args['family'])
   m = _measure(device=a.device, **args)
   print(json.dumps(m.to_dict()))

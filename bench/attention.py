@@ -13,13 +13,16 @@ implementation in this one process. Prints markdown tables and the environment.
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import subprocess
 import sys
 
 from remat.targets import prefer_cpu_without_gpu
+from training.arguments import OneLineParser, positive_int, positive_ints
+
+# The dtypes the memory tables may be compiled in (attention's inputs; cuDNN takes the 16-bit ones).
+DTYPES = ('bfloat16', 'float16', 'float32')
 
 
 def _commit() -> str:
@@ -99,22 +102,25 @@ def _fmt(x) -> str:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog='python -m bench.attention')
-  p.add_argument('--seq-lens', default='1024,2048,4096,8192')
-  p.add_argument('--time-seq-lens', default='1024,2048,4096')
+  p = OneLineParser(prog='python -m bench.attention')
+  p.add_argument('--seq-lens', type=positive_ints, default='1024,2048,4096,8192')
+  p.add_argument('--time-seq-lens', type=positive_ints, default='1024,2048,4096')
   p.add_argument('--targets', default='cpu,h200')
   p.add_argument('--implementations', default='dense,blockwise,cudnn')
-  p.add_argument('--batch', type=int, default=1)
-  p.add_argument('--heads', type=int, default=12)
-  p.add_argument('--head-dim', type=int, default=64)
+  p.add_argument('--batch', type=positive_int, default=1)
+  p.add_argument('--heads', type=positive_int, default=12)
+  p.add_argument('--head-dim', type=positive_int, default=64)
   p.add_argument('--dtype', default='bfloat16,float32',
                  help='memory tables in these dtypes (time: float32 only)')
   args = p.parse_args(argv)
+  bad = [d for d in args.dtype.split(',') if d not in DTYPES]
+  if bad:
+    p.error(f"--dtype: '{bad[0]}' is not one of {', '.join(DTYPES)}")
   prefer_cpu_without_gpu()
   import jax
   import jax.numpy as jnp
 
-  seqs = [int(s) for s in args.seq_lens.split(',') if s]
+  seqs = args.seq_lens
   impls = args.implementations.split(',')
   print(f'command: python -m bench.attention {" ".join(argv if argv is not None else sys.argv[1:])}')
   print(f'commit {_commit()}, jax {jax.__version__}, backend {jax.default_backend()}, '
@@ -137,7 +143,7 @@ def main(argv=None) -> int:
         else:
           print(f'| {impl} | ' + ' | '.join(_fmt(x) for x in temps) + f' | {ratio} |')
         sys.stdout.flush()
-  times = [int(s) for s in args.time_seq_lens.split(',') if s]
+  times = args.time_seq_lens
   if times:
     print(f'\n### time on the local {jax.default_backend()} backend, float32, '
           'median of 5 fwd+bwd steps (ms)\n')

@@ -10,7 +10,6 @@ the tables.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -23,6 +22,7 @@ from remat.measuring import step_flops
 from remat.memory import format_bytes
 from remat.policies import PRESETS, PolicyError, get_policy, preset_tags, sqrt_segment_size
 from remat.targets import TargetError, get_target, prefer_cpu_without_gpu
+from training.arguments import OneLineParser, positive_int
 
 PROG = 'bench.auto'
 
@@ -43,10 +43,10 @@ def stock_specs(num_layers: int, tags: set[str], gpu: bool) -> list[str]:
 
 def main(argv=None) -> int:
   prefer_cpu_without_gpu()
-  p = argparse.ArgumentParser(prog=f'python -m {PROG}', description=__doc__.splitlines()[0])
+  p = OneLineParser(prog=f'python -m {PROG}', description=__doc__.splitlines()[0])
   p.add_argument('--config', default='gpt2-small')
-  p.add_argument('--batch-size', type=int, default=8)
-  p.add_argument('--size', type=int, default=1024, help='sequence length (gpt) or image side')
+  p.add_argument('--batch-size', type=positive_int, default=8)
+  p.add_argument('--size', type=positive_int, default=1024, help='sequence length (gpt) or image side')
   p.add_argument('--target', default='cpu')
   p.add_argument('--budgets', default='0.7x,0.8x,0.9x',
                  help="budgets after 'auto:', separated by ','")

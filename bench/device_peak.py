@@ -9,12 +9,13 @@ where the backend keeps no memory statistics, as on CPU) and ``backend``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from training.arguments import OneLineParser, positive_int
 
 # The checkout that holds bench/, configs/, models/ and training/: the child imports them from here.
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,11 +44,11 @@ def measured_device_peak(config: str, spec: str, batch_size: int, size: int,
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog='python -m bench.device_peak')
+  p = OneLineParser(prog='python -m bench.device_peak')
   p.add_argument('--config', required=True)
   p.add_argument('--policy', required=True)
-  p.add_argument('--batch-size', type=int, required=True)
-  p.add_argument('--size', type=int, required=True, help='sequence length or image side')
+  p.add_argument('--batch-size', type=positive_int, required=True)
+  p.add_argument('--size', type=positive_int, required=True, help='sequence length or image side')
   p.add_argument('--dtype', default=None, help="compute dtype (default: the config's)")
   args = p.parse_args(argv)
 

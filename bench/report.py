@@ -25,6 +25,7 @@ from remat.memory import format_bytes
 from remat.policies import registered_specs
 from remat.sweep import SWEEP_POLICIES, format_sweep, plot_sweep
 from remat.targets import TARGETS, Target, TargetError, get_target, prefer_cpu_without_gpu
+from training.arguments import OneLineParser
 
 PROG = 'bench.report'
 MODELS = tuple(zoo.FAMILIES)
@@ -42,7 +43,7 @@ def parse_specs(text: str | None, default: tuple[str, ...], tags: list[str]) -> 
 
 
 def build_parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog=f'python -m {PROG}', description=__doc__.splitlines()[0])
+  p = OneLineParser(prog=f'python -m {PROG}', description=__doc__.splitlines()[0])
   p.add_argument('--model', default=None,
                  help=f"model family: {', '.join(MODELS)} (default: the config's, else gpt)")
   p.add_argument('--config', default=None,

@@ -91,8 +91,47 @@ def parse_specs(text: str) -> list[str]:
   return [s.strip() for s in (text.split(';') if ';' in text else text.split(',')) if s.strip()]
 
 
+def _integer(text: str) -> int:
+  try:
+    return int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f'{text!r} is not an integer') from None
+
+
+def _number(text: str) -> float:
+  try:
+    return float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f'{text!r} is not a number') from None
+
+
+def _positive_int(text: str) -> int:
+  value = _integer(text)
+  if value < 1:
+    raise argparse.ArgumentTypeError(f'{text!r} is not a positive integer (>= 1)')
+  return value
+
+
+class _OneLineParser(argparse.ArgumentParser):
+  """argparse whose errors are one line and exit code 2, without the usage block.
+
+  ``remat.report: --num-layers: 'x' is not an integer (see --help)``: the
+  application's ``training.arguments.OneLineParser``, which the library cannot import.
+  """
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    # argparse looks a type up here before calling it
+    self.register('type', int, _integer)
+    self.register('type', float, _number)
+
+  def error(self, message: str):
+    message = ' '.join(message.split()).removeprefix('argument ')
+    self.exit(2, f'{PROG}: {message} (see --help)\n')
+
+
 def build_parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog=f'python -m {PROG}', description=__doc__.splitlines()[0])
+  p = _OneLineParser(prog=f'python -m {PROG}', description=__doc__.splitlines()[0])
   p.add_argument('--fn', required=True, metavar='package.module:factory',
                  help='factory() returns (build, example_args); see remat.measure')
   p.add_argument('--policies', default=','.join(DEFAULT_POLICIES),
@@ -109,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--auto', metavar='BUDGET',
                  help='instead of the table: the policy of least recompute whose plan fits BUDGET '
                       '(auto:SIZE, auto:Fx or auto; docs/auto.md)')
-  p.add_argument('--num-layers', type=int, default=None,
+  p.add_argument('--num-layers', type=_positive_int, default=None,
                  help="with --auto: N of build's layer stack, to search segmentings and mixes too")
   p.add_argument('--explain', metavar='FILE|DIR',
                  help="instead of the table: what is live when in XLA's plan of each policy in "

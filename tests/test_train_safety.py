@@ -424,10 +424,11 @@ def test_resume_settings_are_checked_before_compiling(base, tmp_path, capsys, mo
   cfg = _copy(base, tmp_path)
   extra = [f'--data={_corpus(tmp_path / "other.txt")}' if a == '--data=OTHER' else a for a in extra]
   monkeypatch.setattr(st, 'compile_train_step', lambda *a, **k: pytest.fail('compiled'))
-  if '--restart' in extra:  # argparse's own error: a usage line, then the error line
+  if '--restart' in extra:  # the parser's own error (training.arguments): one line, exit 2
     with pytest.raises(SystemExit) as e:
       cli.main([f'--out={cfg.out}'] + extra)
-    assert e.value.code == 2 and needle in capsys.readouterr().err
+    err = capsys.readouterr().err.splitlines()
+    assert e.value.code == 2 and len(err) == 1 and needle in err[0]
     return
   assert needle in _one_error(['--resume', f'--out={cfg.out}'] + extra, capsys)
   assert _strict_rows(cfg.out) == base[1]

@@ -9,6 +9,7 @@ import sys
 from configs import DEFAULT_CONFIG, config_names
 from remat.policies import PolicyError, list_policies
 from remat.targets import prefer_cpu_without_gpu
+from training.arguments import OneLineParser
 from training.data import DataError
 from training.data.text_source import load_named
 from training.step import mesh as meshlib
@@ -44,7 +45,7 @@ _FLAGS = {  # flag -> (type, help); defaults come from the named config, then Tr
 
 
 def build_parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(
+  p = OneLineParser(
       prog='train.py',
       description='Train a GPT-2-style byte-level model, or a ViT / ResNet on procedural images, '
                   'with a named remat policy.',

@@ -31,6 +31,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from training.arguments import OneLineParser
+
 DTYPES = {'float32': np.float32, 'bfloat16': ml_dtypes.bfloat16}
 DEFAULT_SHARD_BYTES = 5 * 10**9   # save_pretrained's max_shard_size default, "5GB"
 
@@ -186,9 +188,9 @@ def parse_size(text: str) -> int:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog='python -m training.export',
-                              description="Write a run's latest checkpoint as a Hugging Face "
-                                          'save_pretrained folder.')
+  p = OneLineParser(prog='python -m training.export',
+                    description="Write a run's latest checkpoint as a Hugging Face "
+                                'save_pretrained folder.')
   p.add_argument('run_dir', metavar='RUN_DIR', help="a train.py run's --out folder")
   p.add_argument('out_dir', metavar='OUT_DIR', help='the folder to write (new or empty)')
   p.add_argument('--dtype', default='float32', choices=sorted(DTYPES),

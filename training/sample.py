@@ -16,10 +16,11 @@ Beyond the model's ``max_len`` the window keeps the latest ``max_len`` tokens.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import numpy as np
+
+from training.arguments import OneLineParser
 
 
 class SampleError(ValueError):
@@ -62,8 +63,8 @@ def generate(run, tokenizer, prompt: str, max_new_tokens: int, temperature: floa
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog='python -m training.sample',
-                              description="Print a text run's continuation of a prompt.")
+  p = OneLineParser(prog='python -m training.sample',
+                    description="Print a text run's continuation of a prompt.")
   p.add_argument('run_dir', metavar='RUN_DIR', help="a gpt/llama train.py run's --out folder")
   p.add_argument('--prompt', required=True, help='the text to continue')
   p.add_argument('--max-new-tokens', type=int, default=64, metavar='N',
