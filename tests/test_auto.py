@@ -1,5 +1,7 @@
 """--remat=auto: budgets, the search against every stock policy, the cache, and --fit."""
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -149,6 +151,17 @@ def test_cache_key_covers_the_mesh():
   assert len({one, fsdp, key(shardings(('fsdp',), P())),
               key(shardings(('data', 'fsdp'), P('fsdp')))}) == 4
   assert auto.mesh_description(shardings(('data', 'fsdp'), P()))['axes'] == {'data': 1, 'fsdp': 1}
+
+
+def test_cached_answers_are_keyed_by_every_source_file():
+  """train.py's cache key hashes the model, training and remat source, sub-packages included."""
+  from training.step.autoremat import source_files, source_hash
+  root = Path(__file__).resolve().parents[1]
+  names = {p.relative_to(root).as_posix() for p in source_files()}
+  assert {'models/gpt.py', 'models/hf/load.py', 'training/trainer.py', 'training/data/tokenizer.py',
+          'training/step/autoremat.py', 'remat/policies.py'} <= names
+  assert not any(n.startswith(('bench/', 'baselines/', 'tests/')) for n in names)
+  assert len(source_hash()) == 16 and source_hash() == source_hash()
 
 
 @pytest.mark.slow

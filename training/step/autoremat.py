@@ -13,6 +13,7 @@ settings and a hash of the model and training source.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import jax
 
@@ -21,6 +22,9 @@ from remat import auto
 from remat.auto_budget import Budget, parse_budget
 from remat.measuring import TrainStep
 from training.step import train_step as st
+
+# The checkout that holds models/, training/ and remat/ (this file: training/step/autoremat.py).
+_CHECKOUT = Path(__file__).resolve().parents[2]
 
 
 def local_budget(text: str) -> Budget:
@@ -84,13 +88,16 @@ def choose_for_run(cfg, named, task: Task, size: int, log, place=None, batch=Non
   return choice
 
 
+def source_files() -> list[Path]:
+  """The model, training and remat source (sub-packages too), in a fixed order."""
+  return [p for folder in ('models', 'training', 'remat')
+          for p in sorted((_CHECKOUT / folder).rglob('*.py'))]
+
+
 def source_hash() -> str:
-  """A hash of the model, training and remat source: an edit invalidates cached answers."""
+  """A hash of :func:`source_files` (paths and bytes): an edit invalidates cached answers."""
   import hashlib
-  from pathlib import Path
-  root = Path(__file__).resolve().parent.parent
   h = hashlib.sha256()
-  for folder in ('models', 'training', 'remat'):
-    for path in sorted((root / folder).glob('*.py')):
-      h.update(path.name.encode() + path.read_bytes())
+  for path in source_files():
+    h.update(path.relative_to(_CHECKOUT).as_posix().encode() + path.read_bytes())
   return h.hexdigest()[:16]
