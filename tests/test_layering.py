@@ -24,9 +24,9 @@ APP = ('models', 'training', 'configs', 'baselines', 'bench', 'train')
 # Lowest first: a module may import its own floor and the floors below it, never one above.
 FLOORS = ('remat', 'models', 'configs', 'training', 'bench', 'baselines', 'train')
 # What the library may import besides the standard library: JAX, Flax and NumPy, and the
-# declared dependencies it uses for one feature each (optax: remat.fused_update; tqdm and
-# matplotlib: progress bars and plots of the measurements; jaxlib: the compile cache's version;
-# equinox: the optional remat.eqx front door, imported inside its functions).
+# declared dependencies it uses for one feature each (optax: the optimizer of remat.fused_update;
+# tqdm and matplotlib: progress bars and plots of the measurements; jaxlib: the compile cache's
+# version; equinox: the optional remat.eqx front door, imported inside its functions).
 LIBRARY_IMPORTS = {'jax', 'jaxlib', 'flax', 'numpy', 'optax', 'tqdm', 'matplotlib', 'equinox'}
 
 
@@ -41,8 +41,11 @@ def _modules() -> dict[str, Path]:
 
 
 def _imported(module: str, path: Path) -> list[tuple[str, int]]:
-  """(dotted name, line) of every import in ``path``, at any depth; ``from a import b`` gives
-  ``a.b`` (a module, or a name in ``a``), relative imports resolved."""
+  """(dotted name, line) of every import in ``path``, at any depth.
+
+  ``from a import b`` gives ``a.b`` (a module, or a name in ``a``); relative imports are
+  resolved against the module's package.
+  """
   package = module if path.name == '__init__.py' else module.rpartition('.')[0]
   names = []
   for node in ast.walk(ast.parse(path.read_text(), str(path))):
