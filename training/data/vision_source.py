@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from training.data import DataError
+from training.data import image_decode
 from training.data.image_folder import (ImageFolderData, class_names, default_workers,
                                    load_image_folder, normalisation)
 from training.data.shapes import CLASSES, PIXEL_MEAN, PIXEL_STD, load_images
@@ -42,7 +43,8 @@ class _Prefetched:
   def __call__(self, step: int):
     if self._stream is None or step != self._next:
       self._stream = self.data.stream(step, self.batch_size, self.seed, self.workers, self.rows)
-    images, labels = next(self._stream)
+    images, labels, failures = next(self._stream)
+    image_decode.REPORT(failures)   # named here, once, whichever worker met them
     self._next = step + 1
     return _as_batch((np.asarray(images), np.asarray(labels)))
 
