@@ -21,7 +21,9 @@ with exit status 2: a missing or damaged run, an existing non-empty
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import math
 import os
 import shutil
 import sys
@@ -35,6 +37,7 @@ from training.arguments import OneLineParser
 
 DTYPES = {'float32': np.float32, 'bfloat16': ml_dtypes.bfloat16}
 DEFAULT_SHARD_BYTES = 5 * 10**9   # save_pretrained's max_shard_size default, "5GB"
+MAX_SHARD_BYTES = 10**15          # 1 PB: more than any model's weights
 
 
 class ExportError(ValueError):
@@ -96,6 +99,7 @@ def export(run_dir, out_dir, dtype: str = 'float32', max_shard_bytes: int = DEFA
   out = Path(out_dir)
   if out.exists() and (not out.is_dir() or any(out.iterdir())):
     raise ExportError(f"'{out}' already exists and is not an empty folder; give a new OUT_DIR")
+  _check_writable(out)   # before the checkpoint is read: a wrong OUT_DIR costs nothing
   run = load_run(run_dir, warn)
   arch = run.task.arch
   data = run.meta.get('data') or {}
@@ -116,9 +120,44 @@ def export(run_dir, out_dir, dtype: str = 'float32', max_shard_bytes: int = DEFA
   state_dict = {k: np.ascontiguousarray(v, DTYPES[dtype]) for k, v in state_dict.items()}
   hf_config = {**hf_config, 'torch_dtype': dtype}
   tok_dir = Path(run_dir) / RUN_TOKENIZER_DIR
+  tok = None
   if (tok_dir / TOKENIZER_FILE).is_file():
     tok = load_tokenizer(tok_dir / TOKENIZER_FILE)
     hf_config.update({'eos_token_id': tok.eot_id, 'bos_token_id': _bos(tok_dir, tok)})
+  try:
+    files = _write_folder(out, hf_config, state_dict, max_shard_bytes, tok_dir, tok, extra)
+  except Exception as e:  # pylint: disable=broad-except  (safetensors raises its own type)
+    # A full disk or a read-only file system; the temporary folder was removed.
+    if 'No space left on device' in str(e) or getattr(e, 'errno', None) in (errno.ENOSPC,
+                                                                             errno.EDQUOT):
+      raise ExportError(f"no space left on device writing {out}; nothing was exported: free "
+                        'space there, or give an OUT_DIR elsewhere') from None
+    if isinstance(e, OSError):
+      raise ExportError(f"cannot write '{e.filename or out}': {e.strerror or e}; nothing was "
+                        'exported') from None
+    raise
+  size = sum(a.nbytes for a in state_dict.values())
+  log(f'exported step {run.step} of {run_dir} ({arch}, {size / 2**20:.1f} MiB of {dtype} '
+      f"weights) to {out}: {', '.join(files)}")
+  return out
+
+
+def _check_writable(out: Path):
+  """``out`` can be created: its nearest existing ancestor is a folder this user may write."""
+  parent = out.absolute().parent
+  while not parent.exists() and not parent.is_symlink():
+    parent = parent.parent
+  if not parent.is_dir():
+    raise ExportError(f"'{out}' cannot be created: '{parent}' is a file; give another OUT_DIR")
+  if not os.access(parent, os.W_OK | os.X_OK):
+    raise ExportError(f"'{out}' cannot be created: '{parent}' is not writable (permissions, or a "
+                      'read-only file system); give another OUT_DIR')
+
+
+def _write_folder(out: Path, hf_config: dict, state_dict: dict, max_shard_bytes: int,
+                  tok_dir: Path, tok, extra: dict) -> list[str]:
+  """Writes the folder under a temporary name beside ``out`` and renames it; returns its files."""
+  from training.data.tokenizer import COMPANION_FILES, TOKENIZER_FILE
   out.parent.mkdir(parents=True, exist_ok=True)
   tmp = Path(tempfile.mkdtemp(prefix=f'.{out.name}.', dir=out.parent))
   try:
@@ -129,7 +168,7 @@ def export(run_dir, out_dir, dtype: str = 'float32', max_shard_bytes: int = DEFA
       if (tok_dir / name).is_file():
         shutil.copyfile(tok_dir / name, tmp / name)
         files.append(name)
-    if (tok_dir / TOKENIZER_FILE).is_file() and not (tok_dir / 'tokenizer_config.json').is_file():
+    if tok is not None and not (tok_dir / 'tokenizer_config.json').is_file():
       # A bare tokenizer.json: name its end-of-text token, so AutoTokenizer knows the eos_token.
       (tmp / 'tokenizer_config.json').write_text(json.dumps({'eos_token': tok.eot_token}) + '\n')
       files.append('tokenizer_config.json')
@@ -144,10 +183,7 @@ def export(run_dir, out_dir, dtype: str = 'float32', max_shard_bytes: int = DEFA
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
-  size = sum(a.nbytes for a in state_dict.values())
-  log(f'exported step {run.step} of {run_dir} ({arch}, {size / 2**20:.1f} MiB of {dtype} '
-      f"weights) to {out}: {', '.join(files)}")
-  return out
+  return files
 
 
 def _permissions(path: Path, mode: int):
@@ -184,6 +220,8 @@ def parse_size(text: str) -> int:
   if unit not in units:
     raise argparse.ArgumentTypeError(f"'{text}': unknown unit {unit}; use B, KB, MB, GB, KiB, "
                                      'MiB or GiB')
+  if not (math.isfinite(value) and 1 <= value * units[unit] <= MAX_SHARD_BYTES):
+    raise argparse.ArgumentTypeError(f"'{text}' is not a size from 1 byte to 1 PB")
   return int(value * units[unit])
 
 
@@ -199,14 +237,17 @@ def main(argv=None) -> int:
                  help='largest safetensors file before the weights are sharded with an index '
                       '(default: 5GB, as save_pretrained)')
   args = p.parse_args(argv)
-  from remat.targets import prefer_cpu_without_gpu
-  prefer_cpu_without_gpu()
-  from training.run.saved_run import RunReadError
   try:
+    from remat.targets import prefer_cpu_without_gpu
+    prefer_cpu_without_gpu()
+    from training.run.saved_run import RunReadError
     export(args.run_dir, args.out_dir, args.dtype, args.max_shard_size)
   except (ExportError, RunReadError, ValueError) as e:
     print(f'training.export: error: {e}', file=sys.stderr)
     return 2
+  except KeyboardInterrupt:   # the folder is written under a temporary name: nothing is left
+    print('training.export: interrupted; nothing was exported', file=sys.stderr)
+    return 130
   return 0
 
 

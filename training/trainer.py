@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -370,7 +371,7 @@ def _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, m
                             f'state was not saved{_kept(guard, out)}')
       if due and (guard.last_healthy or last):
         metrics.sync()  # rows first: a checkpoint never holds a step whose row can be lost
-        with ckpt.deferred_interrupts():  # a save completes, then an interrupt is taken
+        with ckpt.deferred_interrupts(_interrupted_again):  # a save completes, then an interrupt
           try:
             ckpt.save(mngr, state, meta, force=last)
           except ckpt.CheckpointError as e:
@@ -393,6 +394,17 @@ def _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, m
   return rows
 
 
+def _interrupted_again():
+  """A second interrupt during a save: one line, and exit at once. The interpreter's teardown
+  would let orbax's writer threads report the abandoned save (421 lines); the rows are on disk
+  (synced before the save) and the save's temporary folder is removed by the next run."""
+  sys.stdout.flush()
+  print('train.py: interrupted again during a save; the save was abandoned (its temporary '
+        'folder is no checkpoint); rerun with --resume to continue from the last checkpoint',
+        file=sys.stderr, flush=True)
+  os._exit(130)
+
+
 def _kept(guard: LossGuard, out: Path) -> str:
   """The end of a stop's error line: the suspect checkpoint set aside, the last good one named."""
   note = ''
@@ -404,6 +416,11 @@ def _kept(guard: LossGuard, out: Path) -> str:
   if not kept:
     return (f'{note}; no checkpoint passed the guard: lower --lr (or --grad-clip) and start over '
             'with --restart')
+  if not math.isfinite(guard.config.factor):   # nothing vouched for it: do not call it good
+    return (f'{note}; checkpoint {kept[0]} in {out} is the newest, but with the loss guard off '
+            '(--spike-factor inf) it may hold a blown-up state: check its losses in '
+            'metrics.jsonl before continuing from it with --resume and a lower --lr '
+            '(--allow-changed lr)')
   return (f'{note}; checkpoint {kept[0]} in {out} is the last good one: continue from it with '
           '--resume and a lower --lr (--allow-changed lr) or --grad-clip (--allow-changed grad_clip)')
 
