@@ -41,7 +41,12 @@ def folder_hash(root: Path) -> str:
 def runs(tmp_path_factory):
   """Two finished runs of 4 steps: byte-level on a text file, and a BPE-tokenized .jsonl run."""
   tmp = tmp_path_factory.mktemp('runs')
-  os.environ['REMAT_CACHE'] = str(tmp / 'cache')   # this module's processes only (xdist)
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setenv('REMAT_CACHE', str(tmp / 'cache'))
+    yield _runs(tmp)
+
+
+def _runs(tmp: Path) -> dict:
   corpus = tmp / 'corpus.txt'
   corpus.write_text(''.join(f'def f{i}(x):\n    return x * {i} + {i % 7}\n' for i in range(400)))
   texts = [r['prompt'] + r['completion'] for r in rows(100)]

@@ -186,6 +186,21 @@ def test_a_bad_row_leaves_no_entry_and_no_building_folder(tok, tmp_path):
   assert _entries(tmp_path / 'cache') == []
 
 
+def test_data_a_run_cannot_use_leaves_no_entry(tok, tmp_path):
+  """Refused after tokenizing (too small for --seq-len, or a check of the caller's): the entry is
+  checked before it is renamed into place, so a refused run writes nothing to the cache."""
+  data = write_jsonl(tmp_path / 'd.jsonl', [{'text': 'hi'}])
+  with pytest.raises(DataError, match='is too small'):
+    _load(data, tok, tmp_path / 'cache')
+
+  def refuse(train, val):
+    raise DataError(f'{val} held-out tokens are not enough')
+  data = write_jsonl(tmp_path / 'e.jsonl', rows(30))
+  with pytest.raises(DataError, match='held-out tokens are not enough'):
+    load_tokens(str(data), tok, 8, cache=tmp_path / 'cache', warn=pytest.fail, check=refuse)
+  assert _entries(tmp_path / 'cache') == []
+
+
 def test_cache_errors_are_one_line_naming_the_cache(tok, tmp_path, monkeypatch):
   data = write_jsonl(tmp_path / 'd.jsonl', rows(20))
   a_file = tmp_path / 'a_file'

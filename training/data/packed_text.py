@@ -46,6 +46,7 @@ from training.data.token_cache import TOKEN_DTYPE, cache_root  # noqa: F401  (re
 from training.data.tokenizer import ByteTokenizer
 
 CHUNK_DOCS = 1024      # documents handed to the tokenizer at once
+CUT_FRACTION = 0.9     # under VAL_EVERY documents: the first 90% of tokens train
 
 
 def is_jsonl(path: str | None) -> bool:
@@ -226,7 +227,7 @@ def _open_split(folder: Path, name: str, n: int) -> Split:
                np.memmap(folder / f'{name}.mask', np.uint8, 'r', shape=(n,)), offsets[:-1])
 
 
-def _cut(split: Split, fraction: float = 0.9) -> tuple[Split, Split]:
+def _cut(split: Split, fraction: float = CUT_FRACTION) -> tuple[Split, Split]:
   """Splits one stream by position (the last 10% held out); documents cut in two stay apart."""
   cut = int(len(split) * fraction)
   starts = split.starts
@@ -280,7 +281,7 @@ class TokenData:
 
 
 def load_tokens(path: str | None, tokenizer, seq_len: int, cache: Path | None = None,
-                warn=None) -> TokenData:
+                warn=None, check=None) -> TokenData:
   """Tokenizes (or reads from the cache) the documents at ``path`` and splits off validation.
 
   Args:
@@ -289,6 +290,9 @@ def load_tokens(path: str | None, tokenizer, seq_len: int, cache: Path | None = 
     seq_len: the window length; both splits must hold more than ``seq_len + 1`` tokens.
     cache: the cache root (default :func:`cache_root`).
     warn: gets the one line that says a damaged cache entry is rebuilt (default: stderr).
+    check: ``check(train_tokens, val_tokens)`` raises a DataError for splits the run cannot use
+      (``--eval-batches`` beyond the held-out windows). Like the size checks here, it runs
+      before a new entry is put in the cache: data that is refused leaves no entry.
 
   Raises:
     DataError: one line: a missing path, a bad row, no documents, too few tokens, a cache
@@ -297,23 +301,37 @@ def load_tokens(path: str | None, tokenizer, seq_len: int, cache: Path | None = 
   files, jsonl, source = _files(path)
   if not files:
     raise DataError(f"--data '{source}' holds no files")
+
+  def usable(meta: dict):
+    total = meta['train_tokens'] + meta['val_tokens']
+    if meta['documents'] == 0 or total == 0:
+      raise DataError(f"--data '{source}' holds no {'rows' if jsonl else 'text'}")
+    train_len, val_len = _split_sizes(meta)
+    need = seq_len + 2
+    if min(train_len, val_len) < need:
+      raise DataError(f"--data '{source}' is too small: {total:,} tokens; train and "
+                      f'validation splits each need at least {need} for --seq-len {seq_len}')
+    if check is not None:
+      check(train_len, val_len)
+
   root = cache or cache_root()
   key = token_cache.content_key(files, jsonl, tokenizer, source)
   folder, meta, cached = token_cache.open_entry(
       root, key, tokenizer.vocab_size, lambda tmp: _build(tmp, files, jsonl, tokenizer, source),
-      warn or (lambda m: print(f'warning: {m}', file=sys.stderr, flush=True)))
-  total = meta['train_tokens'] + meta['val_tokens']
-  if meta['documents'] == 0 or total == 0:
-    raise DataError(f"--data '{source}' holds no {'rows' if jsonl else 'text'}")
+      warn or (lambda m: print(f'warning: {m}', file=sys.stderr, flush=True)), usable)
   train = _open_split(folder, 'train', meta['train_tokens'])
   val = _open_split(folder, 'val', meta['val_tokens'])
   if meta['documents'] < VAL_EVERY:
     train, val = _cut(train)
-  need = seq_len + 2
-  if min(len(train), len(val)) < need:
-    raise DataError(f"--data '{source}' is too small: {total:,} tokens; train and "
-                    f'validation splits each need at least {need} for --seq-len {seq_len}')
   return TokenData(train, val, source, tokenizer.name, meta['documents'], cached)
+
+
+def _split_sizes(meta: dict) -> tuple[int, int]:
+  """The train and validation lengths :func:`load_tokens` gives an entry (see :func:`_cut`)."""
+  if meta['documents'] < VAL_EVERY:
+    cut = int(meta['train_tokens'] * CUT_FRACTION)
+    return cut, meta['train_tokens'] - cut
+  return meta['train_tokens'], meta['val_tokens']
 
 
 def byte_level_default(path: str | None, tokenizer) -> bool:

@@ -107,18 +107,18 @@ def open_text(cfg, size: int, log, rows: tuple[int, ...] | None = None, warn=Non
   tok = tokenizer_for_run(cfg)[0]
   if byte_level_default(cfg.data, tok):
     data = load_text(cfg.data, size)
+    check_eval_batches(cfg, size, len(data.val), data.source, 1)
     log(f'data: {data.source}: {data.num_files} files, {len(data.train):,} train / '
         f'{len(data.val):,} val bytes')
     batch_at = lambda step: data.batch(step, cfg.batch_size, size, cfg.seed)
-    check_eval_batches(cfg, size, len(data.val), data.source, 1)
     return batch_at, data.val_batches(cfg.eval_batches, cfg.batch_size, size), {}
   if isinstance(tok, HFTokenizer):
     log(f'tokenizer: {tok.name} ({tok.vocab_size:,} ids; documents end with '
         f'{tok.eot_token!r} = {tok.eot_id})')
-  data = load_tokens(cfg.data, tok, size, warn=warn)
+  data = load_tokens(cfg.data, tok, size, warn=warn, check=lambda _, val: check_eval_batches(
+      cfg, size, val, str(cfg.data or 'the python stdlib source'), bounds.LM_BYTES_PER_TOKEN))
   log(f'data: {data.description}')
   batch_at = lambda step: data.batch(step, cfg.batch_size, size, cfg.seed, rows)
-  check_eval_batches(cfg, size, len(data.val), data.source, bounds.LM_BYTES_PER_TOKEN)
   return (batch_at, data.val_batches(cfg.eval_batches, cfg.batch_size, size),
           {'tokenizer': getattr(tok, 'name', str(tok)), 'description': data.description})
 

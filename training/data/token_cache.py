@@ -145,12 +145,16 @@ def _problem(folder: Path, vocab_size: int) -> str | None:
 
 
 def open_entry(root: Path, key: str, vocab_size: int, build: Callable[[Path], None],
-               warn: Callable[[str], None]) -> tuple[Path, dict, bool]:
+               warn: Callable[[str], None],
+               check: Callable[[dict], None] = lambda meta: None) -> tuple[Path, dict, bool]:
   """The verified entry ``root/key``, built with ``build(folder)`` if absent or damaged.
 
   ``build`` writes the entry's files into the folder it is given; this
   function adds their digests (``meta.json``) and renames the folder into
-  place. Returns (entry folder, its meta, whether it was read rather than built).
+  place. ``check(meta)`` raises for an entry the caller cannot use: it runs
+  before a new entry is renamed into place (a refused run leaves no entry) and
+  on an entry read from the cache. Returns (entry folder, its meta, whether it
+  was read rather than built).
 
   Raises:
     DataError: one line: ``build``'s, or a file system error naming the cache path.
@@ -163,9 +167,11 @@ def open_entry(root: Path, key: str, vocab_size: int, build: Callable[[Path], No
     if folder.exists():
       problem = _problem(folder, vocab_size)
       if problem is None:
+        check(_meta(folder))
         return folder, _meta(folder), True
       warn(f'token cache entry {folder} is damaged ({problem}); rebuilding it')
-    _build_and_publish(root, folder, vocab_size, build, warn, reported=problem is not None)
+    _build_and_publish(root, folder, vocab_size, build, warn, check,
+                       reported=problem is not None)
     return folder, _meta(folder), False
   except OSError as e:
     raise DataError(_os_error_line(e, root)) from None
@@ -175,7 +181,7 @@ def _meta(folder: Path) -> dict:
   return json.loads((folder / 'meta.json').read_text())
 
 
-def _build_and_publish(root, folder, vocab_size, build, warn, reported: bool) -> Path:
+def _build_and_publish(root, folder, vocab_size, build, warn, check, reported: bool) -> Path:
   """Builds into a ``.building-*`` folder and renames it to ``folder``; ``reported``: the
   entry there was already reported damaged (it is replaced without another line)."""
   tmp, fd = _claim_building_folder(root, folder.name)
@@ -184,6 +190,7 @@ def _build_and_publish(root, folder, vocab_size, build, warn, reported: bool) ->
     files = {p.name: {'bytes': p.stat().st_size, 'sha256': _sha256(p)}
              for p in sorted(tmp.iterdir()) if p.is_file() and p.name != 'meta.json'}
     meta = json.loads((tmp / 'meta.json').read_text()) if (tmp / 'meta.json').exists() else {}
+    check(meta)
     _write_durably(tmp / 'meta.json', json.dumps({**meta, 'version': CACHE_VERSION,
                                                   'files': files}))
     for _ in range(3):
