@@ -186,3 +186,17 @@ def test_ctrl_c_while_the_libraries_load_is_one_line(tmp_path):
                                           "train.py: --steps: 'abc' is not an integer (see --help)"
                                           ), err[-3000:].decode(errors='replace')
   assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_when_the_lock_is_claimed_is_one_line(tmp_path, monkeypatch):
+  from training.run import rundir
+
+  def full(*args):
+    raise OSError(errno.ENOSPC, 'No space left on device')
+  lock = rundir.RunLock(tmp_path)
+  lock.acquire()
+  monkeypatch.setattr(os, 'pwrite', full)
+  with pytest.raises(rundir.DiskFullError, match=f"no space left on device writing "
+                                                 f"{tmp_path / '.lock'}$"):
+    lock.claim()
+  lock.release()

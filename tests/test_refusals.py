@@ -189,3 +189,27 @@ def test_restart_keeps_the_tokenizer_copy_with_the_previous_files(runs, tmp_path
   assert ((out / 'previous' / '1' / 'tokenizer' / 'tokenizer.json').read_bytes()
           == Path(runs['tok'].tokenizer).read_bytes())
   assert (out / 'tokenizer' / 'tokenizer.json').read_bytes() == runs['other'].read_bytes()
+
+
+def test_the_tokenizer_is_compared_by_content_whoever_named_it(tmp_path):
+  """A run that took its tokenizer from --init-from resumes with that file named by --tokenizer
+  (it was refused as '--tokenizer None'); a recorded file edited since is named as such (it was
+  reported as 'config tiny has changed shape')."""
+  import types
+  from training.run import tokenizer_copy
+  texts = [r['prompt'] + r['completion'] for r in rows(60)]
+  hf = tmp_path / 'hf'
+  bpe_tokenizer(hf, texts)
+  out = tmp_path / 'run'
+  out.mkdir()
+  recorded = {'tokenizer': None, 'init_from': str(hf)}
+  tokenizer_copy.write(types.SimpleNamespace(**recorded), out, fresh=True)
+  assert (out / 'tokenizer' / 'tokenizer.json').read_bytes() == (hf / 'tokenizer.json').read_bytes()
+  named = types.SimpleNamespace(tokenizer=str(hf / 'tokenizer.json'), init_from=str(hf))
+  tokenizer_copy.check(named, out, recorded)   # the same file: no refusal
+  bpe_tokenizer(hf, texts[::-1], vocab_size=280)   # the file the run recorded, edited since
+  with pytest.raises(tokenizer_copy.TokenizerChangedError) as e:
+    tokenizer_copy.check(types.SimpleNamespace(**recorded), out, recorded)
+  assert f"tokenizer {hf / 'tokenizer.json'} (sha256 " in str(e.value)
+  assert 'has changed since the run was trained with it' in str(e.value)
+  assert f"its copy in {out / 'tokenizer'}" in str(e.value)
