@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--config', default=None,
                  help='named config (configs/*.json; default: tiny, vit-tiny or resnet-tiny)')
   p.add_argument('--batch-size', type=int, default=8)
+  p.add_argument('--grad-accum', type=int, default=1, metavar='K',
+                 help='the train step accumulates the batch\'s gradient over K microbatches of '
+                      'batch-size / K (train.py --grad-accum; policy table, --mesh and --explain)')
   p.add_argument('--seq-len', type=int, default=128, help='gpt: tokens per sequence')
   p.add_argument('--image-size', type=int, default=None,
                  help="vit/resnet: image side in pixels (default: the config's)")
@@ -110,7 +113,10 @@ def _check(args):
                       ('image-size' if fam.vision else 'seq-len', size)):
     if value < 1:
       raise ValueError(f'--{name} must be >= 1, got {value}')
-  zoo.case(named.model, args.batch_size, size)  # one-line error if the size does not fit
+  zoo.case(named.model, args.batch_size, size, args.grad_accum)  # one-line errors: size, K
+  if args.grad_accum > 1 and (args.sweep or args.fit or args.fused_update or args.device_peak):
+    raise ValueError('--grad-accum plans the policy table, --mesh and --explain: drop --sweep, '
+                     '--fit, --fused-update and --device-peak')
   return named, fam, size
 
 
@@ -146,7 +152,7 @@ def _policy_report(args, named, fam, size, target, header) -> dict:
   if args.device_peak and jax.default_backend() != 'gpu':
     raise ValueError(f'--device-peak needs an attached GPU; the {jax.default_backend()} '
                      'backend keeps no peak memory statistics')
-  case = zoo.case(named.model, args.batch_size, size)
+  case = zoo.case(named.model, args.batch_size, size, args.grad_accum)
   tags = sorted(case.tags())
   policies = measuring.resolve_policies(parse_specs(args.policies, fam.policies, tags), set(tags),
                                         case.num_layers)  # one-line errors before any compile
@@ -182,7 +188,9 @@ def _mesh_report(args, named, fam, size, target, header) -> dict:
     raise ValueError('--mesh plans the policy table only: drop --sweep, --fit, --time, '
                      '--device-peak and --plot')
   place = _placement(args, target)
-  case = zoo.case(named.model, args.batch_size, size)
+  from training.step.accumulate import check
+  check(args.grad_accum, args.batch_size, place.batch_shards)
+  case = zoo.case(named.model, args.batch_size, size, args.grad_accum)
   tags = sorted(case.tags())
   policies = measuring.resolve_policies(parse_specs(args.policies, fam.policies, tags), set(tags),
                                         case.num_layers)
@@ -222,7 +230,7 @@ def _explain_report(args, named, fam, size, target, header) -> dict:
   if args.sweep or args.fit or args.time or args.device_peak or args.plot:
     raise ValueError('--explain explains the train step at one shape: drop --sweep, --fit, '
                      '--time, --device-peak and --plot')
-  case = zoo.case(named.model, args.batch_size, size)
+  case = zoo.case(named.model, args.batch_size, size, args.grad_accum)
   tags = sorted(case.tags())
   specs = parse_specs(args.policies, fam.policies, tags)
   text = args.policies or ''
@@ -299,6 +307,10 @@ def main(argv=None) -> int:
     dims = f'image {size}x{size}' if fam.vision else f'seq {size}'
     if args.sweep and args.sweep.startswith('resolution'):
       dims = 'image SxS'
+    if args.grad_accum > 1:
+      env['grad_accum'] = args.grad_accum
+      what += (f' accumulated over {args.grad_accum} microbatches of '
+               f'{args.batch_size // args.grad_accum}')
     header = (f'# {what}, {fam.arch} {named.name}, batch {args.batch_size} x {dims}, '
               f'{named.model.dtype}, target {target.name} ({target.description}), compile only'
               f'{" + timed on the local backend" if args.time else ""} (jax {jax.__version__})')

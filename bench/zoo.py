@@ -105,10 +105,15 @@ def _loss(task: Task, model):
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-  """One model config at one batch shape; ``task`` is already at ``size``."""
+  """One model config at one batch shape; ``task`` is already at ``size``.
+
+  ``microbatches``: the step accumulates the batch's gradient over that many
+  microbatches (``--grad-accum``; :mod:`training.step.accumulate`).
+  """
   task: Task
   batch_size: int
   size: int
+  microbatches: int = 1
 
   @property
   def num_layers(self) -> int:
@@ -131,8 +136,12 @@ class Case:
   def train_step(self, policy: Policy) -> TrainStep:
     """The train step under ``policy``, with the loss it differentiates."""
     model, tx = self.task.model(policy), _optimizer()
-    return TrainStep(st.make_train_step(model, tx, 0), _loss(self.task, model),
-                     lambda state, batch: (state.params, (state.model_state, batch)))
+    k = self.microbatches
+    # The residuals are one microbatch's: what the backward pass keeps at a time.
+    micro = lambda b: b if k == 1 else jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct((a.shape[0] // k, *a.shape[1:]), a.dtype), b)
+    return TrainStep(st.make_train_step(model, tx, 0, microbatches=k), _loss(self.task, model),
+                     lambda state, batch: (state.params, (state.model_state, micro(batch))))
 
   @functools.cached_property
   def stack_path(self) -> tuple[str, ...]:
@@ -176,7 +185,8 @@ class Case:
     """What the train step's plan depends on, for the ``--remat=auto`` cache (no trace needed)."""
     return {'model': dataclasses.asdict(self.task.config), 'arch': self.task.arch,
             'batch_size': self.batch_size, 'size': self.size, 'optimizer': OPTIMIZER,
-            'guard': guard, 'source': source_hash()}
+            'guard': guard, 'source': source_hash(),
+            **({'microbatches': self.microbatches} if self.microbatches > 1 else {})}
 
   def choose(self, budget: str, target: Target | str, **kwargs):
     """``--remat=auto`` on this case's train step: :func:`remat.auto.choose`."""
@@ -185,9 +195,12 @@ class Case:
                        num_layers=self.num_layers, cache_key=self.cache_key(), **kwargs)
 
 
-def case(model_cfg, batch_size: int, size: int) -> Case:
-  """The zoo case; one-line ValueError when ``size`` does not fit the model."""
-  return Case(Task(model_cfg).at_size(size), batch_size, size)
+def case(model_cfg, batch_size: int, size: int, microbatches: int = 1) -> Case:
+  """The zoo case; one-line ValueError when ``size`` does not fit the model, or
+  ``microbatches`` does not divide ``batch_size``."""
+  from training.step.accumulate import check
+  check(microbatches, batch_size)
+  return Case(Task(model_cfg).at_size(size), batch_size, size, microbatches)
 
 
 def measure(model_cfg, spec: str | Policy, batch_size: int, size: int, target: Target,

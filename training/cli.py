@@ -20,6 +20,9 @@ from training.trainer import (DivergedError, RunError, TrainConfig, default_conf
 _FLAGS = {  # flag -> (type, help); defaults come from the named config, then TrainConfig
     'steps': (int, 'optimizer steps'),
     'batch_size': (int, 'sequences or images per step'),
+    'grad_accum': (int, 'gradient accumulation: the batch in K microbatches of batch-size / K, '
+                        'one update from their float32 gradient sums (activations sized by the '
+                        'microbatch; docs/training.md)'),
     'seq_len': (int, 'gpt: tokens (bytes) per sequence, at most the config max_len'),
     'image_size': (int, 'vit/resnet: image side in pixels (a ViT: a multiple of its patch size; '
                         'positions from --init-from are resampled to it)'),

@@ -79,6 +79,7 @@ def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
   """
   place = meshlib.Placement.from_spec(cfg.mesh, cfg.batch_size)  # first: it traces nothing
   named, task, size, policy = resolve(cfg)
+  _check_microbatches(cfg, place)
   if not place.is_primary:  # one program, many processes: process 0 speaks for the run
     log = warn = lambda *_: None
   out = cfg.out_dir
@@ -117,6 +118,15 @@ def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
   finally:
     if lock is not None:
       lock.release()
+
+
+def _check_microbatches(cfg: TrainConfig, place: meshlib.Placement):
+  """``--grad-accum``'s microbatches must split over the mesh's batch shards (one line)."""
+  from training.step.accumulate import AccumError, check
+  try:
+    check(cfg.grad_accum, cfg.batch_size, place.batch_shards)
+  except AccumError as e:
+    raise RunError(str(e)) from None
 
 
 def _check_record(cfg: TrainConfig, named: NamedConfig, out: Path) -> tuple[int | None, dict]:
@@ -229,12 +239,17 @@ def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
     return []
   if place.is_primary:   # every check has passed: the run writes into --out from here on
     _claim(cfg, out, lock, task.is_vision, fresh=saved_step is None, warn=warn)
-  step_fn = place.compile_train_step(model, tx, cfg.seed, state_shape, batch_shape, guard=True)
+  step_fn = place.compile_train_step(model, tx, cfg.seed, state_shape, batch_shape, guard=True,
+                                     microbatches=cfg.grad_accum)
   if place.mesh is not None:
     log(f'mesh: {place.description}; memory figures are per device')
+  if cfg.grad_accum > 1:
+    log(f'grad-accum: {cfg.grad_accum} microbatches of {cfg.batch_size // cfg.grad_accum} per '
+        f'step of {cfg.batch_size}, one update from their float32 gradient sums')
   if cfg.memory_report:
     base = step_fn if policy.spec == 'none' else place.compile_train_step(
-        task.model('none'), tx, cfg.seed, state_shape, batch_shape, guard=True)
+        task.model('none'), tx, cfg.seed, state_shape, batch_shape, guard=True,
+        microbatches=cfg.grad_accum)
     log(memory_line(policy, compiled_memory(step_fn), compiled_memory(base)))
 
   # Changes accepted on resume travel in every later checkpoint's record (and run.json).

@@ -60,7 +60,7 @@ def check_numbers(cfg):
     BoundsError: one line naming the flag, its range and the value given.
   """
   for name in ('steps', 'batch_size', 'seq_len', 'eval_every', 'eval_batches', 'save_every',
-               'spike_patience'):
+               'spike_patience', 'grad_accum'):
     _check_int(name, getattr(cfg, name), 1, MAX_COUNT)
   for name in ('warmup_steps', 'skip_nonfinite'):
     _check_int(name, getattr(cfg, name), 0, MAX_COUNT)

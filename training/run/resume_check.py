@@ -14,7 +14,8 @@ Not compared, on purpose: ``--steps`` (raising it is how a run is extended; the
 cosine decay stretches over the new length), ``--remat`` (every policy
 computes the same function with the same parameter tree), ``--mesh`` (the
 machine's, not the run's: the same function, summed in another order, equal
-within float rounding) and the settings that only decide what is logged or
+within float rounding), ``--grad-accum`` (the same update, summed in another
+order; a run that ran out of memory may resume with more microbatches) and the settings that only decide what is logged or
 kept (``--eval-*``, ``--save-every``, ``--skip-nonfinite``, ``--spike-*``).
 
 ``--allow-changed NAME,...`` accepts a change on purpose; the trainer records

@@ -61,6 +61,7 @@ class TrainConfig:
   spike_patience: int = GuardConfig.patience
   data_workers: int | None = None  # image folders: Grain worker processes (None: by core count)
   tokenizer: str | None = None  # None: --init-from's tokenizer, else bytes (training/data/tokenizer.py)
+  grad_accum: int = 1  # --grad-accum K: microbatches per step (training/step/accumulate.py)
 
   @property
   def out_dir(self) -> Path:
@@ -134,6 +135,11 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
   try:
     bounds.check_batch_memory(cfg.batch_size, row, what)
   except bounds.BoundsError as e:
+    raise RunError(str(e)) from None
+  from training.step.accumulate import AccumError, check as check_microbatches
+  try:   # on a mesh, train() checks again with the mesh's batch shards
+    check_microbatches(cfg.grad_accum, cfg.batch_size)
+  except AccumError as e:
     raise RunError(str(e)) from None
   if is_auto(cfg.remat):   # a budget: checked here, resolved to a policy by train() (compiles)
     parse_budget(cfg.remat)

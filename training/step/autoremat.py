@@ -68,13 +68,15 @@ def choose_for_run(cfg, named, task: Task, size: int, log, place=None, batch=Non
     model = task.model(policy)
     loss = lambda params, inputs: task.loss(model, params, inputs[0], inputs[1],
                                             jax.random.PRNGKey(0))[0]
-    return TrainStep(st.make_train_step(model, tx, cfg.seed, guard=True), loss,
+    return TrainStep(st.make_train_step(model, tx, cfg.seed, guard=True,
+                                        microbatches=cfg.grad_accum), loss,
                      lambda state, batch: (state.params, (state.model_state, batch)))
 
   key = {'config': named.name, 'model': dataclasses.asdict(named.model), 'batch_size':
          cfg.batch_size, 'size': size, 'optimizer': [cfg.lr, cfg.steps, cfg.warmup_steps,
                                                      cfg.weight_decay, cfg.grad_clip],
          'seed': cfg.seed, 'guard': True, 'source': source_hash(),
+         **({'grad_accum': cfg.grad_accum} if cfg.grad_accum > 1 else {}),
          'batch': str(jax.tree_util.tree_map(lambda a: (a.shape, str(a.dtype)), args[1]))}
   shardings = None
   if place is not None and place.mesh is not None:

@@ -228,19 +228,28 @@ class Placement:
     return jax.jit(step_fn, in_shardings=(state_sh, self.batch_shardings(batch)),
                    out_shardings=(state_sh, self.replicated()), donate_argnums=0)
 
-  def compile_train_step(self, model, tx, seed: int, state, batch, guard: bool = False):
+  def compile_train_step(self, model, tx, seed: int, state, batch, guard: bool = False,
+                         microbatches: int = 1):
     """AOT-compiles the train step for abstract ``state`` and ``batch`` (see :func:`jit_train_step`).
 
     Off-mesh this is :func:`training.step.train_step.compile_train_step`; on a mesh the
     compiled program is XLA's partitioned (per-device) program, so its
-    ``memory_analysis()`` is per device.
+    ``memory_analysis()`` is per device. ``microbatches``: ``--grad-accum``
+    (:mod:`training.step.accumulate`).
     """
     from remat.targets import compiler_options
     from training.step import train_step as st
     if self.mesh is None:
-      return st.compile_train_step(model, tx, seed, state, batch, guard=guard)
-    step = self.jit_train_step(st.make_train_step(model, tx, seed, guard), state, batch)
+      return st.compile_train_step(model, tx, seed, state, batch, guard=guard,
+                                   microbatches=microbatches)
+    step = self.jit_train_step(st.make_train_step(model, tx, seed, guard, microbatches), state,
+                               batch)
     return step.lower(state, batch).compile(compiler_options=compiler_options() or None)
+
+  @property
+  def batch_shards(self) -> int:
+    """How many ways a batch's rows are split (``data`` x ``fsdp``; 1 on one device)."""
+    return 1 if self.mesh is None else math.prod(self.mesh.shape[a] for a in BATCH_AXES)
 
 
 # Processes -------------------------------------------------------------------------------------

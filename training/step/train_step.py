@@ -28,10 +28,19 @@ class TrainState(struct.PyTreeNode):
 def make_optimizer(lr: float, steps: int, warmup_steps: int, weight_decay: float,
                    grad_clip: float) -> optax.GradientTransformation:
   """AdamW with linear warmup, cosine decay to 10% of ``lr``, and global-norm clipping."""
+  return optax.chain(clip_by_global_norm(grad_clip),
+                     elementwise_optimizer(lr, steps, warmup_steps, weight_decay))
+
+
+def elementwise_optimizer(lr: float, steps: int, warmup_steps: int,
+                          weight_decay: float) -> optax.GradientTransformation:
+  """:func:`make_optimizer` after its clip: AdamW with its schedule, element by element.
+
+  ``--offload-optimizer`` (:mod:`training.step.offload`) applies it a slice at a time.
+  """
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, lr, max(1, warmup_steps), max(steps, warmup_steps + 1), end_value=lr * 0.1)
-  return optax.chain(clip_by_global_norm(grad_clip),
-                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay))
+  return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay)
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
@@ -73,7 +82,7 @@ def lm_loss(model: nn.Module, params, windows, dropout_rng=None) -> jax.Array:
 
 
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, seed: int,
-                    guard: bool = False):
+                    guard: bool = False, microbatches: int = 1, offload=None):
   """Returns ``step(state, batch) -> (state, loss)``; dropout key = fold_in(seed, step).
 
   With ``guard``, the step returns ``(state, stats)`` instead, ``stats`` being
@@ -81,27 +90,53 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, seed: in
   and a step whose loss or gradient norm is not finite leaves parameters, model
   state and optimizer state as they were (only the step counter moves), so a
   caller may skip it or stop with the last good state.
+
+  With ``microbatches`` K > 1 the batch's gradient is accumulated over K
+  microbatches in a loop inside the step (:mod:`training.step.accumulate`;
+  ``--grad-accum``): the same update, activations sized by ``B / K``.
+
+  With ``offload`` (a :class:`training.step.offload.Offload` of ``tx``'s parts),
+  the update streams the optimizer state from host memory a slice at a time
+  (``--offload-optimizer``): the same update.
   """
   task = _task(model)
 
   def train_step(state: TrainState, batch):
     rng = jax.random.fold_in(jax.random.PRNGKey(seed), state.step)
-    loss_fn = lambda p: task.loss(model, p, state.model_state, batch, rng)
-    (loss, (model_state, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                     model_state=model_state, opt_state=opt_state)
-    if not guard:
-      return new, loss
-    # One reduction to a scalar (the clip reduces the same gradients; XLA may share the two).
-    grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    keep = lambda n, o: jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), n, o)
-    return new.replace(params=keep(new.params, state.params),
-                       model_state=keep(new.model_state, state.model_state),
-                       opt_state=keep(new.opt_state, state.opt_state)), jnp.stack(
-                           [loss.astype(jnp.float32), grad_norm.astype(jnp.float32)])
+    if microbatches == 1:
+      loss_fn = lambda p: task.loss(model, p, state.model_state, batch, rng)
+      (loss, (model_state, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    else:
+      from training.step.accumulate import accumulated_value_and_grad
+      loss, model_state, grads = accumulated_value_and_grad(
+          lambda p, s, b, key: task.loss(model, p, s, b, key), state.params, state.model_state,
+          batch, microbatches, rng)
+    if offload is not None:
+      from training.step.offload import apply_gradients_streamed
+      return apply_gradients_streamed(offload, state, loss, grads, model_state, guard)
+    return apply_gradients(tx, state, loss, grads, model_state, guard)
   return train_step
+
+
+def apply_gradients(tx: optax.GradientTransformation, state: TrainState, loss, grads,
+                    model_state, guard: bool):
+  """The step's update from its loss and gradients: ``(new state, loss or stats)``.
+
+  ``guard``: see :func:`make_train_step`.
+  """
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                   model_state=model_state, opt_state=opt_state)
+  if not guard:
+    return new, loss
+  # One reduction to a scalar (the clip reduces the same gradients; XLA may share the two).
+  grad_norm = optax.tree.norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  keep = lambda n, o: jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), n, o)
+  return new.replace(params=keep(new.params, state.params),
+                     model_state=keep(new.model_state, state.model_state),
+                     opt_state=keep(new.opt_state, state.opt_state)), jnp.stack(
+                         [loss.astype(jnp.float32), grad_norm.astype(jnp.float32)])
 
 
 def abstract_inputs(model: nn.Module, tx: optax.GradientTransformation, batch_size: int,
@@ -112,17 +147,18 @@ def abstract_inputs(model: nn.Module, tx: optax.GradientTransformation, batch_si
 
 
 def compile_train_step(model: nn.Module, tx: optax.GradientTransformation, seed: int,
-                       state, batch, compiler_options: dict | None = None, guard: bool = False):
+                       state, batch, compiler_options: dict | None = None, guard: bool = False,
+                       microbatches: int = 1):
   """AOT-compiles the train step for (abstract) ``state`` and ``batch``, donating the state.
 
   ``compiler_options`` default to :func:`remat.targets.compiler_options` of the
   local backend (on CPU they keep one-iteration loops, so their remat holds).
-  ``guard``: see :func:`make_train_step`.
+  ``guard``, ``microbatches``: see :func:`make_train_step`.
   """
   from remat.targets import compiler_options as local_options
   options = local_options() if compiler_options is None else compiler_options
-  return jax.jit(make_train_step(model, tx, seed, guard), donate_argnums=0).lower(state, batch).compile(
-      compiler_options=options or None)
+  step = jax.jit(make_train_step(model, tx, seed, guard, microbatches), donate_argnums=0)
+  return step.lower(state, batch).compile(compiler_options=options or None)
 
 
 def make_eval_step(model: nn.Module):
