@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help='measure the train step with AdamW applied layer by layer in the backward '
                       'pass (remat.fused_update; a per-layer clip) instead of the ordinary one; '
                       'models without dropout, policy table only')
+  p.add_argument('--offload-optimizer', action='store_true',
+                 help='plan the step with the optimizer state in pinned host memory between steps, '
+                      'streamed to the device a layer at a time (train.py --offload-optimizer; '
+                      'GPU targets: device and host bytes apart; a no-op on the CPU backend)')
   p.add_argument('--explain', metavar='FILE|DIR',
                  help="instead of the table: what is live when in XLA's plan of the train step "
                       'under each policy (one policy: FILE.json/.png/.svg; several: DIR with one '
@@ -256,6 +260,16 @@ def _explain_report(args, named, fam, size, target, header) -> dict:
   return {'explain': args.explain, **({'mesh': env['mesh']} if args.mesh else {})}
 
 
+def _offload_report(args, named, fam, size, target, header) -> dict:
+  """``--offload-optimizer`` on a GPU target (:mod:`bench.offload`)."""
+  from bench.offload import offload_report
+  case = zoo.case(named.model, args.batch_size, size)
+  tags = sorted(case.tags())
+  specs = [p.spec for p in measuring.resolve_policies(
+      parse_specs(args.policies, fam.policies, tags), set(tags), case.num_layers)]
+  return offload_report(args, named, fam, size, target, header, specs)
+
+
 def _fit_report(args, named, fam, size, target, header) -> dict:
   from remat.auto_budget import parse_budget
   from remat.fit import fit_table, format_fits, plot_fits
@@ -304,6 +318,9 @@ def main(argv=None) -> int:
         raise ValueError('--fused-update measures the policy table only: drop --sweep, --fit, '
                          '--mesh, --explain and --device-peak')
       what = 'fused train step (AdamW per layer in the backward pass)'
+    if args.offload_optimizer and target.sharding is None:
+      print('# --offload-optimizer: a no-op on the CPU backend (host and device memory are the '
+            "same RAM); the ordinary step's plan follows")
     dims = f'image {size}x{size}' if fam.vision else f'seq {size}'
     if args.sweep and args.sweep.startswith('resolution'):
       dims = 'image SxS'
@@ -314,7 +331,9 @@ def main(argv=None) -> int:
     header = (f'# {what}, {fam.arch} {named.name}, batch {args.batch_size} x {dims}, '
               f'{named.model.dtype}, target {target.name} ({target.description}), compile only'
               f'{" + timed on the local backend" if args.time else ""} (jax {jax.__version__})')
-    if args.explain:
+    if args.offload_optimizer and target.sharding is not None:
+      body = _offload_report(args, named, fam, size, target, header)
+    elif args.explain:
       body = _explain_report(args, named, fam, size, target, header)
     elif args.mesh:
       body = _mesh_report(args, named, fam, size, target, header)

@@ -11,6 +11,9 @@ the function was compiled for:
   This is where remat policies differ.
 * ``host_temp``: temporaries placed in host memory (offloaded residuals on GPU
   targets; always 0 on the CPU backend, where offload is a no-op).
+* ``host_argument`` / ``host_output``: inputs and results that live in host
+  memory (``pinned_host`` arguments, e.g. optimizer state offloaded between
+  steps); not in ``argument``, ``output`` or ``peak``, which are device bytes.
 * ``peak = argument + output - alias + temp``: an upper bound on device bytes
   live during the step under the compiled plan (XLA reports no tighter peak on
   CPU). It is a plan, not an allocator measurement.
@@ -31,6 +34,8 @@ class MemoryStats:
   temp: int
   host_temp: int
   backend: str
+  host_argument: int = 0
+  host_output: int = 0
 
   @property
   def peak(self) -> int:
@@ -45,7 +50,9 @@ def compiled_memory(compiled: Any, backend: str | None = None) -> MemoryStats:
       argument=int(ma.argument_size_in_bytes), output=int(ma.output_size_in_bytes),
       alias=int(ma.alias_size_in_bytes), temp=int(ma.temp_size_in_bytes),
       host_temp=int(getattr(ma, 'host_temp_size_in_bytes', 0)),
-      backend=backend or jax.default_backend())
+      backend=backend or jax.default_backend(),
+      host_argument=int(getattr(ma, 'host_argument_size_in_bytes', 0)),
+      host_output=int(getattr(ma, 'host_output_size_in_bytes', 0)))
 
 
 def format_bytes(n: float) -> str:
