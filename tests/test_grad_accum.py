@@ -78,6 +78,31 @@ def test_accumulated_steps_give_the_whole_batch_parameters(spec):
   _compare(spec)
 
 
+def test_bfloat16_sums_stay_float32():
+  """In bfloat16 the sums are float32 and the gradient is the whole batch's within bf16 rounding.
+
+  Each microbatch's weight gradient leaves its bfloat16 matmul rounded (2^-8 relative, at
+  most, of the terms), and the whole batch's is rounded once: tolerance 2^-6 of the tree's
+  scale, four such roundings. Measured at this commit: 0.0076 (llama-tiny, full, K=4).
+  """
+  import jax
+  from configs import load_config, with_dtype
+  from models.tasks import Task
+  from numerics import assert_trees_close
+  from training.step.accumulate import accumulated_value_and_grad
+  task = Task(with_dtype(load_config('llama-tiny'), 'bfloat16').model).at_size(T)
+  model = task.model('full')
+  params = jax.jit(lambda: task.init_variables(model, 0, T)[0])()
+  batch = packed_batch(0)
+  loss_fn = lambda p, s, b, key: task.loss(model, p, s, b, key)
+  want = jax.jit(jax.value_and_grad(lambda p: loss_fn(p, {}, batch, None)[0]))(params)
+  loss, _, grads = jax.jit(lambda p: accumulated_value_and_grad(loss_fn, p, {}, batch, K,
+                                                                None))(params)
+  assert {a.dtype for a in jax.tree_util.tree_leaves(grads)} == {np.dtype('float32')}
+  assert abs(float(loss) - float(want[0])) <= 1e-5 * float(want[0])   # float32 losses
+  assert_trees_close(grads, want[1], rtol=2.0 ** -6)
+
+
 def test_microbatches_are_strided_rows_and_weights_count_labels():
   import jax.numpy as jnp
   from training.step.accumulate import counted_labels, split

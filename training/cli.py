@@ -98,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help='start from the weights of a Hugging Face save_pretrained folder (GPT-2, '
                       'Llama, ViT, ResNet; safetensors); without --config, the shipped config of '
                       'its shape, else one built from its config.json (--config hf:PATH)')
+  p.add_argument('--offload-optimizer', action='store_true', default=None,
+                 help="keep the optimizer state (AdamW's moments) in pinned host memory between "
+                      'steps, streamed to the device a layer at a time for the update (a GPU; a '
+                      'no-op on the CPU backend; docs/training.md)')
   meshlib.add_flags(p)
   p.add_argument('--no-memory-report', dest='memory_report', action='store_false',
                  help='skip compiling the no-remat step for the start-up memory line')

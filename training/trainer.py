@@ -237,10 +237,25 @@ def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
   if start >= cfg.steps:
     log(f'nothing to do: {out} is at step {start} of --steps {cfg.steps}')
     return []
+  offload = None
+  if cfg.offload_optimizer:   # checked before the run's first write
+    from training.step import offload as offloading
+    try:
+      offload = offloading.for_run(cfg, st.elementwise_optimizer(
+          cfg.lr, cfg.steps, cfg.warmup_steps, cfg.weight_decay), task.num_layers, state_shape,
+                                   log)
+    except offloading.OffloadError as e:
+      raise RunError(str(e)) from None
   if place.is_primary:   # every check has passed: the run writes into --out from here on
     _claim(cfg, out, lock, task.is_vision, fresh=saved_step is None, warn=warn)
-  step_fn = place.compile_train_step(model, tx, cfg.seed, state_shape, batch_shape, guard=True,
-                                     microbatches=cfg.grad_accum)
+  if offload is not None:   # a GPU: the moments move to pinned host memory
+    step_fn = offloading.compile_run_step(
+        place, st.make_train_step(model, tx, cfg.seed, True, cfg.grad_accum, offload),
+        state_shape, batch_shape, offload)
+    state = jax.device_put(state, offloading.state_shardings(offload, state_shape, place))
+  else:
+    step_fn = place.compile_train_step(model, tx, cfg.seed, state_shape, batch_shape,
+                                       guard=True, microbatches=cfg.grad_accum)
   if place.mesh is not None:
     log(f'mesh: {place.description}; memory figures are per device')
   if cfg.grad_accum > 1:

@@ -62,6 +62,7 @@ class TrainConfig:
   data_workers: int | None = None  # image folders: Grain worker processes (None: by core count)
   tokenizer: str | None = None  # None: --init-from's tokenizer, else bytes (training/data/tokenizer.py)
   grad_accum: int = 1  # --grad-accum K: microbatches per step (training/step/accumulate.py)
+  offload_optimizer: bool = False  # optimizer state in host memory (training/step/offload.py)
 
   @property
   def out_dir(self) -> Path:

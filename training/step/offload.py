@@ -239,3 +239,55 @@ def compile_for_target(step, state, batch, off: Offload, target):
       *target.place((state, batch)))
   carrier._lowering._hlo = module   # private: jax 0.10's MeshComputation holds it here
   return carrier.compile(compiler_options=target.compiler_options or None)
+
+
+def for_run(cfg, inner: optax.GradientTransformation, num_layers: int, state,
+            log) -> Offload | None:
+  """``--offload-optimizer`` of a run: its :class:`Offload`, or None on the CPU backend.
+
+  Checks the state first (one line for one that cannot be placed), so a refused
+  run has written nothing. On the CPU backend host and device memory are the
+  same RAM: one line says so, and the run compiles the ordinary step (the same
+  results, bit for bit, since it is the same program).
+
+  ``inner`` is the run's optimizer after its clip
+  (:func:`training.step.train_step.elementwise_optimizer`).
+
+  Raises:
+    OffloadError: the optimizer state cannot be placed.
+  """
+  off = Offload(cfg.grad_clip, inner, num_layers)
+  check_state(off.inner, state.opt_state[1], state.params)
+  if jax.default_backend() == 'cpu':
+    log('--offload-optimizer: a no-op on the CPU backend (host and device memory are the same '
+        'RAM); the ordinary step runs, with the same results')
+    return None
+  log(f'--offload-optimizer: {host_bytes(off, state) / 2**30:.2f} GiB of optimizer state in '
+      'pinned host memory between steps, streamed to the device a layer at a time')
+  return off
+
+
+def state_shardings(off: Offload, state, place):
+  """The train state's shardings on ``place`` with the streamed state's in ``pinned_host``."""
+  if place.mesh is None:
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    base = jax.tree_util.tree_map(lambda _: one, state)
+  else:
+    base = place.state_shardings(state)
+  return jax.tree_util.tree_map(lambda s, k: s.with_memory_kind(k), base,
+                                state_memory_kinds(off, state))
+
+
+def compile_run_step(place, step_fn, state, batch, off: Offload):
+  """``step_fn`` (the run's step, made with ``offload=off``) compiled for a GPU with the
+  streamed state in host memory (the state donated)."""
+  from remat.targets import compiler_options
+  state_sh = state_shardings(off, state, place)
+  if place.mesh is None:
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    batch_sh, out = jax.tree_util.tree_map(lambda _: one, batch), one
+  else:
+    batch_sh, out = place.batch_shardings(batch), place.replicated()
+  step = jax.jit(step_fn, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, out),
+                 donate_argnums=0)
+  return step.lower(state, batch).compile(compiler_options=compiler_options() or None)
