@@ -10,6 +10,7 @@ the ordinary step.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import jax
@@ -18,9 +19,8 @@ from bench import zoo
 from remat import measuring
 from remat.memory import compiled_memory, format_bytes
 from training.step import offload as ol
-from training.step import train_step as st
 
-NOT_WITH = ('sweep', 'fit', 'mesh', 'explain', 'time', 'device_peak', 'fused_update', 'plot')
+NOT_WITH = ('sweep', 'mesh', 'explain', 'time', 'device_peak', 'fused_update', 'plot')
 
 
 def refuse_combinations(args) -> None:
@@ -31,27 +31,16 @@ def refuse_combinations(args) -> None:
                      + ', '.join('--' + n.replace('_', '-') for n in given))
 
 
-def offload_settings(case: zoo.Case, transfer: bool = True) -> ol.Offload:
-  """The :class:`training.step.offload.Offload` of the zoo's optimizer (:data:`bench.zoo.OPTIMIZER`)."""
-  o = zoo.OPTIMIZER
-  return ol.Offload(o['grad_clip'], st.elementwise_optimizer(o['lr'], o['steps'],
-                                                             o['warmup_steps'],
-                                                             o['weight_decay']),
-                    case.num_layers, transfer)
-
-
 def offload_rows(case: zoo.Case, specs: list[str], target) -> list[dict]:
   """Device and host bytes of each policy's step, with and without the offloaded state."""
   from tqdm import tqdm
   state, batch = case.step_args()
-  off = offload_settings(case)
+  off = case.offload_settings()
   ol.check_state(off.inner, state.opt_state[1], state.params)   # one line before any compile
   rows = []
   for spec in tqdm(specs, desc='compiling', unit='policy', file=sys.stderr):
-    model = case.task.model(case.policy(spec))
-    tx = st.make_optimizer(**zoo.OPTIMIZER)
-    step = st.make_train_step(model, tx, 0, microbatches=case.microbatches, offload=off)
-    mem = compiled_memory(ol.compile_for_target(step, state, batch, off, target), target.name)
+    step = dataclasses.replace(case, offload=True).train_step(case.policy(spec))
+    mem = compiled_memory(step.compile((state, batch), target), target.name)
     plain = measuring.step_memory(case.train_step(case.policy(spec)), state, batch,
                                   target=target)
     rows.append({'policy': spec, 'device_peak': mem.peak, 'device_temp': mem.temp,

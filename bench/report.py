@@ -287,14 +287,18 @@ def _fit_report(args, named, fam, size, target, header) -> dict:
   if args.fit == 'size' and not fam.vision:
     high = named.model.max_len
 
+  offload = args.offload_optimizer and target.sharding is not None   # a no-op on the CPU
+
   def case(v: int):
-    c = zoo.case(named.model, v, size) if args.fit == 'batch' else zoo.case(
-        named.model, args.batch_size, v)
+    c = zoo.case(named.model, v, size, offload=offload) if args.fit == 'batch' else zoo.case(
+        named.model, args.batch_size, v, offload=offload)
     return c.train_step, c.step_args()
   fits = fit_table(case, specs, nbytes, target, base.num_layers, high=high)
   head = header.replace(f'batch {args.batch_size} x ', 'batch B x ' if args.fit == 'batch' else
                         f'batch {args.batch_size} x ')
   head += f'; largest {axis} within {budget.describe(nbytes)}'
+  if offload:
+    head += '; optimizer state in host memory (peak: device bytes)'
   print(format_fits(fits, head, axis))
   if args.plot:
     plot_fits(fits, args.plot, head.lstrip('# '), axis)
@@ -331,7 +335,7 @@ def main(argv=None) -> int:
     header = (f'# {what}, {fam.arch} {named.name}, batch {args.batch_size} x {dims}, '
               f'{named.model.dtype}, target {target.name} ({target.description}), compile only'
               f'{" + timed on the local backend" if args.time else ""} (jax {jax.__version__})')
-    if args.offload_optimizer and target.sharding is not None:
+    if args.offload_optimizer and target.sharding is not None and not args.fit:
       body = _offload_report(args, named, fam, size, target, header)
     elif args.explain:
       body = _explain_report(args, named, fam, size, target, header)

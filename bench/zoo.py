@@ -114,6 +114,7 @@ class Case:
   batch_size: int
   size: int
   microbatches: int = 1
+  offload: bool = False   # the optimizer state in host memory (training.step.offload; GPU plans)
 
   @property
   def num_layers(self) -> int:
@@ -140,8 +141,23 @@ class Case:
     # The residuals are one microbatch's: what the backward pass keeps at a time.
     micro = lambda b: b if k == 1 else jax.tree_util.tree_map(
         lambda a: jax.ShapeDtypeStruct((a.shape[0] // k, *a.shape[1:]), a.dtype), b)
+    loss_args = lambda state, batch: (state.params, (state.model_state, micro(batch)))
+    if self.offload:
+      from training.step import offload as ol
+      off = self.offload_settings()
+      step = st.make_train_step(model, tx, 0, microbatches=k, offload=off)
+      return TrainStep(step, _loss(self.task, model), loss_args,
+                       lambda args, target: ol.compile_for_target(step, *args, off, target))
     return TrainStep(st.make_train_step(model, tx, 0, microbatches=k), _loss(self.task, model),
-                     lambda state, batch: (state.params, (state.model_state, micro(batch))))
+                     loss_args)
+
+  def offload_settings(self, transfer: bool = True):
+    """The :class:`training.step.offload.Offload` of :data:`OPTIMIZER` for this model."""
+    from training.step.offload import Offload
+    o = OPTIMIZER
+    return Offload(o['grad_clip'], st.elementwise_optimizer(o['lr'], o['steps'],
+                                                            o['warmup_steps'], o['weight_decay']),
+                   self.num_layers, transfer)
 
   @functools.cached_property
   def stack_path(self) -> tuple[str, ...]:
@@ -195,12 +211,13 @@ class Case:
                        num_layers=self.num_layers, cache_key=self.cache_key(), **kwargs)
 
 
-def case(model_cfg, batch_size: int, size: int, microbatches: int = 1) -> Case:
+def case(model_cfg, batch_size: int, size: int, microbatches: int = 1,
+         offload: bool = False) -> Case:
   """The zoo case; one-line ValueError when ``size`` does not fit the model, or
   ``microbatches`` does not divide ``batch_size``."""
   from training.step.accumulate import check
   check(microbatches, batch_size)
-  return Case(Task(model_cfg).at_size(size), batch_size, size, microbatches)
+  return Case(Task(model_cfg).at_size(size), batch_size, size, microbatches, offload)
 
 
 def measure(model_cfg, spec: str | Policy, batch_size: int, size: int, target: Target,

@@ -124,8 +124,11 @@ def plan(program, example_args, target: Target, shardings: tuple | None = None) 
   """The compiled memory plan of ``program`` for ``target`` (compile only).
 
   ``shardings``: ``(in_shardings, out_shardings)`` of a program on a device
-  mesh (local devices); the plan is then XLA's per-device plan.
+  mesh (local devices); the plan is then XLA's per-device plan. A
+  :class:`remat.measuring.TrainStep` with its own ``compile`` is compiled by it.
   """
+  if getattr(program, 'compile', None) is not None and shardings is None:
+    return compiled_memory(program.compile(example_args, target), target.name)
   lowered, options = _lower(program, example_args, target, shardings)
   return compiled_memory(lowered.compile(compiler_options=options or None), target.name)
 

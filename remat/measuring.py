@@ -56,10 +56,14 @@ class TrainStep:
       the residuals are those of its VJP with respect to ``params``.
     loss_args: maps the step's arguments to the loss's, e.g.
       ``lambda state, batch: (state.params, batch)`` (the default).
+    compile: optional ``compile(example_args, target) -> Compiled``, for a step
+      that is not compiled as a plain ``jax.jit`` (e.g. with arguments in host
+      memory); plans (:func:`remat.auto.plan`) then use it.
   """
   step: Callable
   loss: Callable
   loss_args: Callable = _default_loss_args
+  compile: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)
