@@ -161,3 +161,22 @@ def test_h100_plan_moves_the_moments_to_the_host():
       jax.tree_util.tree_leaves(state.params),
       jax.tree_util.tree_leaves(stacked_mask(state.params, task.num_layers))) if s)
   assert plain.peak - offloaded.peak >= moments - 2 * layer, (plain, offloaded, moments, layer)
+
+
+def test_a_train_step_with_its_own_compile_is_planned_by_it():
+  """remat.auto.plan (what --fit and --remat=auto compile) uses TrainStep.compile when given."""
+  from types import SimpleNamespace
+  from remat.auto import plan
+  from remat.measuring import TrainStep
+  from remat.targets import get_target
+  calls = []
+  analysis = SimpleNamespace(argument_size_in_bytes=10, output_size_in_bytes=4,
+                             alias_size_in_bytes=4, temp_size_in_bytes=7,
+                             host_temp_size_in_bytes=0, host_argument_size_in_bytes=20,
+                             host_output_size_in_bytes=20)
+  step = TrainStep(lambda s, b: (s, 0.0), lambda p, b: 0.0,
+                   compile=lambda args, target: calls.append((args, target.name)) or
+                   SimpleNamespace(memory_analysis=lambda: analysis))
+  mem = plan(step, (1, 2), get_target('cpu'))
+  assert calls == [((1, 2), 'cpu')]
+  assert (mem.peak, mem.host_argument, mem.host_output) == (17, 20, 20)   # device bytes apart
