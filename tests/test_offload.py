@@ -4,8 +4,8 @@ The streamed update is the ordinary update's arithmetic on slices: the CPU tests
 run it without transfers and compare with the ordinary step. Tolerance:
 ``numerics.RTOL`` (float32 rounding: XLA fuses the slice-wise update otherwise,
 so elements differ in the last bits; seen at this commit without the suite's XLA
-flags: 4 of the state's 36 leaves bit-equal after 3 steps, all within RTOL). The GPU-plan test reads XLA's
-H100 plan of the step with the moments as pinned-host arguments.
+flags: 4 of the state's 36 leaves bit-equal after 3 steps, all within RTOL). The
+GPU-plan test reads XLA's H100 plan of the step with the moments as pinned-host arguments.
 """
 
 import numpy as np

@@ -38,7 +38,6 @@ import optax
 from jax import lax
 
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
-_OTHER, _WHOLE, _STACKED = 0, 1, 2   # a state leaf: not per parameter; of a parameter; of a stack
 
 
 class OffloadError(ValueError):
