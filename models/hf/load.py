@@ -34,7 +34,8 @@ import numpy as np
 from models.hf.layout import CONFIGS, MODEL_TYPES, VARIABLES, HFImportError, StateDict, _few
 from models.tasks import ARCH_OF, Task
 
-__all__ = ['HFImportError', 'load_hf', 'load_hf_config', 'from_state_dict', 'read_safetensors']
+__all__ = ['HFImportError', 'load_hf', 'load_hf_config', 'from_state_dict', 'read_safetensors',
+           'weight_files']
 
 _NAMES = {'gpt': 'GPT-2', 'llama': 'Llama', 'vit': 'ViT', 'resnet': 'ResNet'}
 _PREFIX = {arch: prefix for arch, prefix in MODEL_TYPES.values()}
@@ -97,7 +98,16 @@ def load_hf_config(path) -> tuple[str, Any]:
     raise HFImportError(f'{p / "config.json"}: {msg}') from None
 
 
-def _read_tensors(p: pathlib.Path) -> tuple[dict[str, np.ndarray], str]:
+def weight_files(path) -> list[pathlib.Path]:
+  """The safetensors files of a ``save_pretrained`` folder (one, or the shards its index names).
+
+  Raises:
+    HFImportError: one line: no folder, no weights, only a pickle, or missing shards.
+  """
+  return _weight_files(_folder(path))[0]
+
+
+def _weight_files(p: pathlib.Path) -> tuple[list[pathlib.Path], str]:
   single, index = p / 'model.safetensors', p / 'model.safetensors.index.json'
   if single.is_file():
     files = [single]
@@ -115,10 +125,15 @@ def _read_tensors(p: pathlib.Path) -> tuple[dict[str, np.ndarray], str]:
   missing = [f.name for f in files if not f.is_file()]
   if missing:
     raise HFImportError(f'{index} names weight files that are missing: {_few(missing, 2)}')
+  return files, files[0].name if len(files) == 1 else index.name
+
+
+def _read_tensors(p: pathlib.Path) -> tuple[dict[str, np.ndarray], str]:
+  files, name = _weight_files(p)
   tensors = {}
   for f in files:
     tensors.update(read_safetensors(f))
-  return tensors, files[0].name if len(files) == 1 else index.name
+  return tensors, name
 
 
 # safetensors dtype names -> numpy dtypes (bfloat16 from ml_dtypes, which JAX depends on).
