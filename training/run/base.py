@@ -79,7 +79,7 @@ def freeze(base: dict, spec, arch: str, dtype, num_layers: int, log=print) -> di
   if not total:
     return lora_params.freeze(base, spec, arch, dtype)
   log(f'quantizing the base to {spec.quantize} (blocks of up to 64 weights, scales bfloat16)')
-  with tqdm(total=total, desc=f'quantize {spec.quantize}', unit='layer', file=sys.stdout,
+  with tqdm(total=total, desc=f'quantize {spec.quantize}', unit='layer', file=sys.stderr,
             dynamic_ncols=True, mininterval=0.5) as bar:
     def progress(done):
       bar.update(done - bar.n)

@@ -129,6 +129,29 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, seed: in
   return train_step
 
 
+def measured_step(model: nn.Module, tx: optax.GradientTransformation, seed: int,
+                  guard: bool = False, dropout_seed: int = 0):
+  """The train step as :func:`remat.measure` takes it (:class:`remat.measuring.TrainStep`).
+
+  The loss it differentiates is ``loss(params, (frozen, model_state, batch))``
+  in training mode (dropout keyed by ``dropout_seed``): a LoRA run's frozen base
+  is an input of the loss, not a differentiated parameter.
+  """
+  from remat.measuring import TrainStep
+  task = _task(model)
+
+  def loss(params, inputs):
+    frozen, model_state, batch = inputs
+    return task.loss(model, lora_params.merge(frozen, params), model_state, batch,
+                     jax.random.PRNGKey(dropout_seed))[0]
+  return TrainStep(make_train_step(model, tx, seed, guard), loss, loss_inputs)
+
+
+def loss_inputs(state: TrainState, batch):
+  """``(params, (frozen, model_state, batch))``: the arguments of :func:`measured_step`'s loss."""
+  return state.params, (state.frozen, state.model_state, batch)
+
+
 def abstract_inputs(model: nn.Module, tx: optax.GradientTransformation, batch_size: int,
                     size: int, seed: int = 0):
   """Shapes of the train state and of a batch; nothing is allocated."""
