@@ -88,21 +88,26 @@ def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
                          or (out / rundir.RECORD_NAME).exists()):
     raise RunError(f"--resume: no checkpoint in {out / 'checkpoints'}")
   lora = getattr(named.model, 'lora', None)
+  # A LoRA run's adapters and base are what its checkpoints are about: a resume must keep the
+  # adapters' settings and load the base they trained on, checked before the folder is touched.
+  meta = read_meta(out) if cfg.resume else None
+  if meta is not None:
+    _check_lora(meta, named, out)
   base_rec = None
   if lora is not None:
-    # A LoRA run's base is loaded again on resume, and must be the one its adapters trained on:
-    # checked here, before the run folder is touched.
     base_rec = lora_base.record(cfg.init_from, cfg.seed)
-    meta = read_meta(out) if cfg.resume else None
-    if meta is not None and (meta.get('model') or {}).get('lora'):
+    if meta is not None:
       lora_base.check(meta.get('base'), base_rec, out)
   pretrained = None
   if cfg.init_from and (not cfg.resume or lora is not None):
     from models.hf.finetune import load_pretrained
-    # A LoRA model's base is the checkpoint's own model; its adapters start fresh.
-    pretrained, notes = load_pretrained(cfg.init_from, named.arch,
-                                        dataclasses.replace(named.model, lora=None)
-                                        if lora is not None else named.model)
+    # A LoRA model's base is the checkpoint's own model, stored as the run keeps it while it
+    # is read; its adapters start fresh.
+    pretrained, notes = load_pretrained(
+        cfg.init_from, named.arch, named.model if lora is None else
+        dataclasses.replace(named.model, lora=None),
+        None if lora is None else lora_base.reader(lora, named.arch, named.model.dtype,
+                                                   named.model.num_layers, log))
     for note in notes:
       log(f'--init-from: {note}')
   if cfg.config.startswith(HF_CONFIG_PREFIX):
@@ -164,11 +169,7 @@ def _check_record(cfg: TrainConfig, named: NamedConfig, out: Path) -> tuple[int 
   # The dtype is not shape: checked on its own.
   was = json.loads(json.dumps({**_defaults(type(named.model)), **(meta.get('model') or {})}))
   now = json.loads(json.dumps(dataclasses.asdict(named.model)))
-  was_lora, now_lora = was.pop('lora', None), now.pop('lora', None)
-  if was_lora != now_lora:   # adapters are what such a checkpoint holds: no flag changes them
-    raise RunError(f'--resume: {out} was trained {_lora_words(was_lora)}, not '
-                   f'{_lora_words(now_lora)}; drop the --lora and --quantize flags to continue it '
-                   'as it was, or pass another --out for a new run')
+  was.pop('lora', None), now.pop('lora', None)   # compared by _check_lora
   was_dtype, now_dtype = was.pop('dtype', 'float32'), now.pop('dtype')
   if was != now:
     raise RunError(f'--resume: config {named.name} has changed shape since {out} was saved; '
@@ -180,6 +181,16 @@ def _check_record(cfg: TrainConfig, named: NamedConfig, out: Path) -> tuple[int 
     raise RunError(f'--resume: {out} is at step {step}, past --steps {cfg.steps}; pass --steps '
                    f'above {step} to train further')
   return step, changed
+
+
+def _check_lora(meta: dict, named: NamedConfig, out: Path):
+  """Raises a one-line RunError if the run in ``out`` had other adapters (or none)."""
+  was = (meta.get('model') or {}).get('lora')
+  now = json.loads(json.dumps(dataclasses.asdict(named.model))).get('lora')
+  if was != now:   # adapters are what such a checkpoint holds: no flag changes them
+    raise RunError(f'--resume: {out} was trained {_lora_words(was)}, not {_lora_words(now)}; '
+                   'drop the --lora and --quantize flags to continue it as it was, or pass '
+                   'another --out for a new run')
 
 
 def _lora_words(spec: dict | None) -> str:
@@ -468,7 +479,7 @@ def _frozen_base(pretrained: dict | None, model, tx, cfg, size: int, log) -> dic
     return st.init_state(model, tx, cfg.seed, size).frozen
   arch = Task(mcfg).arch
   frozen = lora_params.split(pretrained['params'], arch)[0]
-  return lora_base.freeze(frozen, mcfg.lora, arch, mcfg.dtype, mcfg.num_layers, log)
+  return lora_base.freeze(frozen, mcfg.lora, arch, mcfg.dtype)
 
 
 def _evaluate(eval_step, state, val) -> dict:

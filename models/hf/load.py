@@ -202,7 +202,8 @@ def _expected(config) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
   return {tuple(k.key for k in path): leaf for path, leaf in flat}
 
 
-def from_state_dict(arch: str, tensors: dict[str, np.ndarray], config, where: str = 'state dict'):
+def from_state_dict(arch: str, tensors: dict[str, np.ndarray], config, where: str = 'state dict',
+                    convert=None):
   """Maps HF-named arrays onto our variable tree for ``config``.
 
   The mapping is linear (transposes, splits, stacks), so it also maps
@@ -213,6 +214,10 @@ def from_state_dict(arch: str, tensors: dict[str, np.ndarray], config, where: st
     tensors: HF state-dict name -> array (numpy or anything ``np.asarray`` takes).
     config: our config dataclass the result must fit.
     where: how messages name the source.
+    convert: None, or ``convert(path, array, want)`` called for each leaf (``array``
+      may be a :class:`models.hf.layout.Stacked` of layers, ``want`` the model's
+      ShapeDtypeStruct), returning the leaf to keep, or None for the default
+      (a float32 copy): a LoRA run stores its base cast or quantized as it reads it.
 
   Returns:
     ``{'params': ..., 'batch_stats': ...}`` (the latter for ResNet) of float32
@@ -243,14 +248,16 @@ def from_state_dict(arch: str, tensors: dict[str, np.ndarray], config, where: st
     node = out
     for key in path[:-1]:
       node = node.setdefault(key, {})
-    node[path[-1]] = np.ascontiguousarray(array, dtype=want.dtype)
+    got = convert(path, array, want) if convert is not None else None
+    node[path[-1]] = np.ascontiguousarray(array, dtype=want.dtype) if got is None else got
   unplaced = [f'{s} ({"/".join(p[1:])})' for p, (_, s) in sd.out.items() if p not in expected]
   if unplaced:
     raise HFImportError(f'{where} has parameters the config has no place for: {_few(unplaced, 2)}')
   return out
 
 
-def load_hf(path, expect_arch: str | None = None, config=None) -> tuple[str, Any, dict]:
+def load_hf(path, expect_arch: str | None = None, config=None,
+            convert=None) -> tuple[str, Any, dict]:
   """Loads a Hugging Face checkpoint folder into our variables.
 
   Args:
@@ -259,6 +266,7 @@ def load_hf(path, expect_arch: str | None = None, config=None) -> tuple[str, Any
     expect_arch: if given ('gpt', 'llama', 'vit' or 'resnet'), the checkpoint must be of it.
     config: if given (our config dataclass), the checkpoint's shapes must fit
       it, and it is returned instead of the one read from ``config.json``.
+    convert: see :func:`from_state_dict`.
 
   Returns:
     ``(arch, config, variables)``; ``variables`` is ``{'params': ...}`` plus
@@ -282,4 +290,4 @@ def load_hf(path, expect_arch: str | None = None, config=None) -> tuple[str, Any
     raise HFImportError(f'{p} holds a {_NAMES[arch]} checkpoint, which does not fit a '
                         f'{type(config).__name__}')
   tensors, file = _read_tensors(p)
-  return arch, config, from_state_dict(arch, tensors, config, where=str(p / file))
+  return arch, config, from_state_dict(arch, tensors, config, where=str(p / file), convert=convert)

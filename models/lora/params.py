@@ -96,7 +96,7 @@ def freeze(base: dict, spec: LoraSpec, arch: str, dtype,
   out, done = {}, 0
   for path, leaf in _flat(base).items():
     if is_quantized(leaf):
-      out[path] = leaf
+      out[path] = {k: jnp.asarray(v) for k, v in leaf.items()}
     elif path in kernels:
       layers = []
       for i in range(leaf.shape[0]):

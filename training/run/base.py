@@ -17,9 +17,14 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from tqdm import tqdm
 
+from models.hf.layout import Stacked
 from models.lora import params as lora_params
+from models.lora import quantize as q
+from models.lora.spec import STACKS
 from remat.memory import format_bytes
 from training.run.settings import RunError
 
@@ -73,17 +78,43 @@ def check(was: dict | None, now: dict, where: str, what: str = '--resume') -> No
                    'a new run')
 
 
-def freeze(base: dict, spec, arch: str, dtype, num_layers: int, log=print) -> dict:
-  """:func:`models.lora.params.freeze` with a progress bar while a QLoRA base is quantized."""
+def freeze(base: dict, spec, arch: str, dtype) -> dict:
+  """:func:`models.lora.params.freeze`: the base on the device as the run keeps it."""
+  return lora_params.freeze(base, spec, arch, dtype)
+
+
+def reader(spec, arch: str, dtype, num_layers: int, log=print):
+  """``convert`` for :func:`models.hf.finetune.load_pretrained`: the block stack's leaves stored
+  as the run keeps them while they are read, one layer at a time (cast to ``dtype``; kernels
+  quantized under QLoRA, with a progress bar), so the checkpoint is never held whole in float32.
+  Other leaves (embeddings, norms, a head) are left to the loader's float32 and
+  :func:`freeze`."""
+  stack = ('params',) + STACKS[arch]
+  kernels = {('params',) + k for k in lora_params.kernel_paths(arch)} if spec.quantize else set()
+  quant = jax.jit(lambda w: q.quantize(w, spec.quantize))
   total = lora_params.quantized_layers(spec, arch, num_layers)
-  if not total:
-    return lora_params.freeze(base, spec, arch, dtype)
-  log(f'quantizing the base to {spec.quantize} (blocks of up to 64 weights, scales bfloat16)')
-  with tqdm(total=total, desc=f'quantize {spec.quantize}', unit='layer', file=sys.stderr,
-            dynamic_ncols=True, mininterval=0.5) as bar:
-    def progress(done):
-      bar.update(done - bar.n)
-    return lora_params.freeze(base, spec, arch, dtype, progress)
+  if total:
+    log(f'quantizing the base to {spec.quantize} as it is read (blocks of up to 64 weights, '
+        'scales bfloat16)')
+  bar = tqdm(total=total, desc=f'quantize {spec.quantize}', unit='layer', file=sys.stderr,
+             dynamic_ncols=True, mininterval=0.5, disable=not total)
+  store = np.dtype(jnp.dtype(dtype))
+
+  def convert(path, array, want):
+    del want
+    if path[:len(stack)] != stack:
+      return None
+    layers = array.layers if isinstance(array, Stacked) else list(array)
+    if path in kernels:
+      done = []
+      for layer in layers:
+        done.append(jax.device_get(quant(np.asarray(layer, np.float32))))
+        bar.update(1)
+      if bar.n >= total:
+        bar.close()
+      return {k: np.stack([d[k] for d in done]) for k in ('codes', 'scale')}
+    return np.stack([np.asarray(layer, store) for layer in layers])
+  return convert
 
 
 def describe(state, spec) -> str:

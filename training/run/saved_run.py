@@ -90,7 +90,8 @@ def load_run(run_dir, warn=lambda _: None, base: bool = True, base_from=None,
   task = Task(config)
   train = meta.get('train', {})
   # The optimizer's state has the same tree whatever its settings; only its shape is needed.
-  tx = st.make_optimizer(1e-3, int(train.get('steps', 1)), 0, 0.0, 1.0)
+  # (Two steps at least: a one-step schedule with no warm-up has no decay to build.)
+  tx = st.make_optimizer(1e-3, max(2, int(train.get('steps', 2))), 0, 0.0, 1.0)
   size = task.default_size if task.is_vision else min(task.config.max_len, 8)
   state_shape, _ = st.abstract_inputs(task.model('none'), tx, 1, size)
   one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -121,11 +122,12 @@ def _base(path: Path, meta: dict, task: Task, base_from, log) -> dict:
     raise RunReadError(str(e)) from None
   if folder is None:   # a random base: the seed's, as the run built it
     model = task.model('none')
-    tx = st.make_optimizer(1e-3, 1, 0, 0.0, 1.0)
+    tx = st.make_optimizer(1e-3, 2, 0, 0.0, 1.0)
     size = task.default_size if task.is_vision else min(config.max_len, 8)
     return jax.device_get(st.init_state(model, tx, rec.get('seed', 0), size).frozen)
   from models.hf.finetune import load_pretrained
-  pretrained, _ = load_pretrained(folder, task.arch, dataclasses.replace(config, lora=None))
+  pretrained, _ = load_pretrained(folder, task.arch, dataclasses.replace(config, lora=None),
+                                  lora_base.reader(config.lora, task.arch, config.dtype,
+                                                   config.num_layers, log))
   frozen = lora_params.split(pretrained['params'], task.arch)[0]
-  return jax.device_get(lora_base.freeze(frozen, config.lora, task.arch, config.dtype,
-                                         config.num_layers, log))
+  return jax.device_get(lora_base.freeze(frozen, config.lora, task.arch, config.dtype))
