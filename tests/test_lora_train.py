@@ -4,8 +4,9 @@ Fast cases (a 2-layer, width-32 Llama with a BPE tokenizer trained here, a few
 steps): a resumed LoRA run equals the uninterrupted one bit for bit; its
 checkpoints hold no base; the --adapter export loads under peft and gives our
 logits; the merged export loads under transformers and gives them too; the
-sampler runs on a LoRA run; and each bad input is one line that writes
-nothing. tests/test_lora_finetune.py (slow) checks that such runs learn.
+sampler runs on a LoRA and a QLoRA run (whose merged export gives its logits
+too); and each bad input is one line that writes nothing.
+tests/test_lora_finetune.py (slow) checks that such runs learn.
 """
 
 import json
@@ -142,6 +143,30 @@ def test_sampling_a_lora_run(lora_run, capsys):
   assert sample_cli.main([str(out), '--prompt', 'question 5: which colour is the fox?',
                           '--max-new-tokens', '3']) == 0
   assert capsys.readouterr().out.strip() != ''
+
+
+def test_a_qlora_run_samples_and_exports_merged_with_our_logits(checkpoint, data, tmp_path,
+                                                               capsys):
+  """An nf4 base: the sampler loads and runs it; the merged export (the base dequantized, the
+  adapters added) computes what the run computes, nf4's rounding included."""
+  import torch
+  import transformers
+  out = tmp_path / 'qlora'
+  assert cli.main(_args(checkpoint, data, out, '--lora', '4', '--quantize', 'nf4',
+                        '--steps', '2')) == 0
+  capsys.readouterr()
+  assert sample_cli.main([str(out), '--prompt', 'question 5: which colour is the fox?',
+                          '--max-new-tokens', '3']) == 0
+  assert capsys.readouterr().out.strip() != ''
+  folder = tmp_path / 'merged'
+  assert export_cli.main([str(out), str(folder)]) == 0
+  model = transformers.LlamaForCausalLM.from_pretrained(folder)
+  tokens = np.random.default_rng(2).integers(0, 300, (2, 24))
+  with torch.no_grad():
+    theirs = model(torch.tensor(tokens)).logits.numpy()
+  # float32 on both sides (the run's compute dtype): the dequantized kernels are the same
+  # numbers, so only float32 summation order differs, as for the LoRA exports above.
+  assert_trees_close(theirs, _our_logits(out, tokens), rtol=RTOL)
 
 
 def _one_error(err: str, prog: str) -> bool:
