@@ -12,6 +12,7 @@ from remat.targets import prefer_cpu_without_gpu
 from training.arguments import OneLineParser, add_lora_flags
 from training.data import DataError
 from training.data.text_source import load_named
+from training.run import bounds
 from training.step import mesh as meshlib
 from training.trainer import (DivergedError, RunError, TrainConfig, default_config,
                               matching_config, read_meta, train)
@@ -117,7 +118,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
   if 'config' not in flags and args.init_from and not args.resume:
     flags['config'] = matching_config(args.init_from)
   name = flags.get('config', recorded.get('config', default_config(args.model)))
-  values = {k: v for k, v in load_named(name).train.items() if k in valid}
+  named = load_named(name)
+  bounds.check_applicable(named.arch, name, flags)   # a flag of another model is an error
+  values = {k: v for k, v in named.train.items() if k in valid}
   values['config'] = name
   values.update(recorded)
   values.update(flags)

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
+import math
 import os
 import shutil
 import sys
@@ -43,6 +45,7 @@ from training.arguments import OneLineParser
 
 DTYPES = {'float32': np.float32, 'bfloat16': ml_dtypes.bfloat16}
 DEFAULT_SHARD_BYTES = 5 * 10**9   # save_pretrained's max_shard_size default, "5GB"
+MAX_SHARD_BYTES = 10**15          # 1 PB: more than any model's weights
 
 
 class ExportError(ValueError):
@@ -110,6 +113,7 @@ def export(run_dir, out_dir, dtype: str = 'float32', max_shard_bytes: int = DEFA
   out = Path(out_dir)
   if out.exists() and (not out.is_dir() or any(out.iterdir())):
     raise ExportError(f"'{out}' already exists and is not an empty folder; give a new OUT_DIR")
+  _check_writable(out)   # before the checkpoint is read: a wrong OUT_DIR costs nothing
   if adapter:
     return _export_adapter(run_dir, out, dtype, log, warn)
   run = load_run(run_dir, warn, base_from=base_from, log=log)
@@ -137,6 +141,7 @@ def export(run_dir, out_dir, dtype: str = 'float32', max_shard_bytes: int = DEFA
   state_dict = {k: np.ascontiguousarray(v, DTYPES[dtype]) for k, v in state_dict.items()}
   hf_config = {**hf_config, 'torch_dtype': dtype}
   tok_dir = Path(run_dir) / RUN_TOKENIZER_DIR
+  tok = None
   if (tok_dir / TOKENIZER_FILE).is_file():
     tok = load_tokenizer(tok_dir / TOKENIZER_FILE)
     hf_config.update({'eos_token_id': tok.eot_id, 'bos_token_id': _bos(tok_dir, tok)})
@@ -180,6 +185,18 @@ def _export_adapter(run_dir, out: Path, dtype: str, log, warn) -> Path:
   return out
 
 
+def _check_writable(out: Path):
+  """``out`` can be created: its nearest existing ancestor is a folder this user may write."""
+  parent = out.absolute().parent
+  while not parent.exists() and not parent.is_symlink():
+    parent = parent.parent
+  if not parent.is_dir():
+    raise ExportError(f"'{out}' cannot be created: '{parent}' is a file; give another OUT_DIR")
+  if not os.access(parent, os.W_OK | os.X_OK):
+    raise ExportError(f"'{out}' cannot be created: '{parent}' is not writable (permissions, or a "
+                      'read-only file system); give another OUT_DIR')
+
+
 def _write_folder(out: Path, run_dir, weights, extra: dict) -> list[str]:
   """Writes ``weights(tmp)``'s files, the run's tokenizer and ``extra`` JSON files into a
   temporary folder beside ``out``, renamed to ``out`` when complete; returns the file names."""
@@ -208,10 +225,23 @@ def _write_folder(out: Path, run_dir, weights, extra: dict) -> list[str]:
     if out.exists():
       out.rmdir()   # empty (checked above)
     tmp.rename(out)
-  except BaseException:
+  except BaseException as e:
     shutil.rmtree(tmp, ignore_errors=True)
+    _explain_write_error(e, out)
     raise
   return files
+
+
+def _explain_write_error(e: BaseException, out: Path):
+  """Raises a one-line ExportError for a full disk or a file system that refuses the write."""
+  # safetensors raises its own type for a full disk; an OSError carries the errno.
+  if 'No space left on device' in str(e) or getattr(e, 'errno', None) in (errno.ENOSPC,
+                                                                           errno.EDQUOT):
+    raise ExportError(f"no space left on device writing {out}; nothing was exported: free "
+                      'space there, or give an OUT_DIR elsewhere') from None
+  if isinstance(e, OSError):
+    raise ExportError(f"cannot write '{e.filename or out}': {e.strerror or e}; nothing was "
+                      'exported') from None
 
 
 def _permissions(path: Path, mode: int):
@@ -248,6 +278,8 @@ def parse_size(text: str) -> int:
   if unit not in units:
     raise argparse.ArgumentTypeError(f"'{text}': unknown unit {unit}; use B, KB, MB, GB, KiB, "
                                      'MiB or GiB')
+  if not (math.isfinite(value) and 1 <= value * units[unit] <= MAX_SHARD_BYTES):
+    raise argparse.ArgumentTypeError(f"'{text}' is not a size from 1 byte to 1 PB")
   return int(value * units[unit])
 
 
@@ -270,15 +302,18 @@ def main(argv=None) -> int:
                  help='largest safetensors file before the weights are sharded with an index '
                       '(default: 5GB, as save_pretrained)')
   args = p.parse_args(argv)
-  from remat.targets import prefer_cpu_without_gpu
-  prefer_cpu_without_gpu()
-  from training.run.saved_run import RunReadError
   try:
+    from remat.targets import prefer_cpu_without_gpu
+    prefer_cpu_without_gpu()
+    from training.run.saved_run import RunReadError
     export(args.run_dir, args.out_dir, args.dtype, args.max_shard_size, adapter=args.adapter,
            base_from=args.base)
   except (ExportError, RunReadError, ValueError) as e:
     print(f'training.export: error: {e}', file=sys.stderr)
     return 2
+  except KeyboardInterrupt:   # the folder is written under a temporary name: nothing is left
+    print('training.export: interrupted; nothing was exported', file=sys.stderr)
+    return 130
   return 0
 
 

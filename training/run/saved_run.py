@@ -97,10 +97,14 @@ def load_run(run_dir, warn=lambda _: None, base: bool = True, base_from=None,
   one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   state_shape = jax.tree_util.tree_map(
       lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), state_shape)
+  passed_over = []   # said only if a checkpoint restores; else the error line names them all
   try:
-    state, meta = ckpt.restore(path, state_shape, warn, set_aside=False, what=str(path))
+    state, meta = ckpt.restore(path, state_shape, passed_over.append, set_aside=False,
+                               what=str(path))
   except ckpt.CheckpointError as e:
     raise RunReadError(str(e)) from None
+  for line in passed_over:
+    warn(line)
   host = jax.device_get(state)
   params = host.params
   if getattr(config, 'lora', None) is not None and base:

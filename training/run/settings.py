@@ -7,7 +7,6 @@ costs nothing (the CLI turns :class:`RunError` into one line and exit code 2).
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 
 from configs import DEFAULT_CONFIG, NamedConfig, config_names, load_config, with_dtype
@@ -16,6 +15,7 @@ from models.tasks import Task
 from remat.auto_budget import is_auto, parse_budget
 from remat.policies import Policy, get_policy
 from training.data.text_source import HF_CONFIG_PREFIX, load_named, tokenizer_for_run
+from training.run import bounds
 from training.run import resume_check
 from training.run import rundir
 from training.run.loss_guard import GuardConfig
@@ -95,25 +95,10 @@ def _flag(name: str) -> str:
 
 
 def _check_positive(cfg: TrainConfig):
-  for name in ('steps', 'batch_size', 'seq_len', 'eval_every', 'eval_batches', 'save_every',
-               'spike_patience'):
-    if getattr(cfg, name) < 1:
-      raise RunError(f'{_flag(name)} must be >= 1, got {getattr(cfg, name)}')
-  for name in ('warmup_steps', 'skip_nonfinite'):
-    if getattr(cfg, name) < 0:
-      raise RunError(f'{_flag(name)} must be >= 0, got {getattr(cfg, name)}')
-  # NaN fails every comparison, so each check is written to pass only for good values.
-  for name, low, strict in (('lr', 0.0, True), ('grad_clip', 0.0, True),
-                            ('weight_decay', 0.0, False)):
-    value = getattr(cfg, name)
-    if not (math.isfinite(value) and (value > low if strict else value >= low)):
-      raise RunError(f"{_flag(name)} must be a finite number {'>' if strict else '>='} {low:g}, "
-                     f'got {value}')
-  # The guard's thresholds may be inf (the guard off), never NaN or below their floor.
-  for name, low in (('spike_factor', 1.0), ('spike_margin', 0.0)):
-    if not getattr(cfg, name) >= low:
-      raise RunError(f'{_flag(name)} must be >= {low:g} (inf turns the guard off), got '
-                     f'{getattr(cfg, name)}')
+  try:   # every number in its range (training/run/bounds.py)
+    bounds.check_numbers(cfg)
+  except bounds.BoundsError as e:
+    raise RunError(str(e)) from None
   if cfg.lora is None:
     for name in ('lora_alpha', 'lora_targets'):
       if getattr(cfg, name) is not None:
@@ -122,8 +107,6 @@ def _check_positive(cfg: TrainConfig):
       raise RunError('--lora-dropout sets up a LoRA run: pass --lora RANK with it (e.g. --lora 16)')
   elif cfg.lora < 1:
     raise RunError(f'--lora must be >= 1 (the rank of the adapters), got {cfg.lora}')
-  if cfg.resume and cfg.restart:
-    raise RunError('--resume continues a run and --restart starts it over; pass one of them')
   resume_check.parse_allowed(cfg.allow_changed)
 
 
@@ -144,7 +127,7 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
   task = Task(named.model)
   model_cfg = named.model
   if task.is_vision:
-    size = cfg.image_size or model_cfg.image_size
+    size = model_cfg.image_size if cfg.image_size is None else cfg.image_size
     if task.arch == 'vit' and (size < 1 or size % model_cfg.patch_size):
       raise RunError(f'--image-size {size} does not fit config {named.name}: a ViT takes a '
                      f'multiple of its patch size {model_cfg.patch_size} (its positions are '
@@ -156,6 +139,7 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
     named = dataclasses.replace(named, model=dataclasses.replace(
         model_cfg, image_size=size, num_classes=num_classes(cfg.data, model_cfg.num_classes)))
     task, model_cfg = Task(named.model), named.model
+    row, what = size * size * model_cfg.channels * 4, f'{size}x{size}x{model_cfg.channels} pixels'
   else:
     if cfg.image_size is not None:
       raise RunError(f'--image-size applies to vit and resnet configs; {named.name} is a gpt '
@@ -166,6 +150,11 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
     # The tokenizer's vocabulary must fit the embedding (a fresh model is sized to it).
     named = tokenizer_for_run(cfg, named)[1]
     task = Task(named.model)
+    row, what = (size + 1) * bounds.LM_BYTES_PER_TOKEN, f'{size + 1} tokens'
+  try:
+    bounds.check_batch_memory(cfg.batch_size, row, what)
+  except bounds.BoundsError as e:
+    raise RunError(str(e)) from None
   if is_auto(cfg.remat):   # a budget: checked here, resolved to a policy by train() (compiles)
     parse_budget(cfg.remat)
     return named, task, size, None
