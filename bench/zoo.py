@@ -97,10 +97,9 @@ def _optimizer():
 
 
 def _loss(task: Task, model):
-  """The train-mode loss (dropout on, BatchNorm on batch statistics) as loss(params, (state, batch))."""
-  def loss(params, inputs):
-    return task.loss(model, params, inputs[0], inputs[1], jax.random.PRNGKey(0))[0]
-  return loss
+  """The train-mode loss (dropout on, BatchNorm on batch statistics) as
+  ``loss(params, (frozen, model_state, batch))`` (:func:`training.step.train_step.measured_step`)."""
+  return st.measured_step(model, _optimizer(), 0).loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,20 +135,11 @@ class Case:
 
   def train_step(self, policy: Policy) -> TrainStep:
     """The train step under ``policy``, with the loss it differentiates."""
-    model, tx = self.task.model(policy), _optimizer()
-    k = self.microbatches
-    # The residuals are one microbatch's: what the backward pass keeps at a time.
-    micro = lambda b: b if k == 1 else jax.tree_util.tree_map(
-        lambda a: jax.ShapeDtypeStruct((a.shape[0] // k, *a.shape[1:]), a.dtype), b)
-    loss_args = lambda state, batch: (state.params, (state.model_state, micro(batch)))
-    if self.offload:
-      from training.step import offload as ol
-      off = self.offload_settings()
-      step = st.make_train_step(model, tx, 0, microbatches=k, offload=off)
-      return TrainStep(step, _loss(self.task, model), loss_args,
-                       lambda args, target: ol.compile_for_target(step, *args, off, target))
-    return TrainStep(st.make_train_step(model, tx, 0, microbatches=k), _loss(self.task, model),
-                     loss_args)
+    # With microbatches the loss's batch is one microbatch (measured_step): the residuals are
+    # what the backward pass keeps at a time.
+    return st.measured_step(self.task.model(policy), _optimizer(), 0,
+                            microbatches=self.microbatches,
+                            offload=self.offload_settings() if self.offload else None)
 
   def offload_settings(self, transfer: bool = True):
     """The :class:`training.step.offload.Offload` of :data:`OPTIMIZER` for this model."""
@@ -182,16 +172,14 @@ class Case:
     """The train step with AdamW applied layer by layer in the backward pass (clip per layer)."""
     model, tx = self.task.model(policy), _optimizer()
     step = fused_step.make_fused_train_step(model, tx, self.stack_path)
-    return TrainStep(step, _loss(self.task, model),
-                     lambda state, batch: (state.params, (state.model_state, batch)))
+    return TrainStep(step, _loss(self.task, model), st.loss_inputs)
 
   def loss_args(self):
-    """Abstract ``(params, (model_state, batch))`` of the loss."""
-    state, batch = self.step_args()
-    return state.params, (state.model_state, batch)
+    """Abstract ``(params, (frozen, model_state, batch))`` of the loss."""
+    return st.loss_inputs(*self.step_args())
 
   def loss(self, policy: Policy):
-    """The loss alone under ``policy``: ``loss(params, (model_state, batch))``."""
+    """The loss alone under ``policy``: ``loss(params, (frozen, model_state, batch))``."""
     return _loss(self.task, self.task.model(policy))
 
   def policy(self, spec: str | Policy) -> Policy:

@@ -80,6 +80,47 @@ def test_the_gpu_path_runs_with_pinned_host_state():
   assert_trees_close(jax.device_get(state.params), jax.device_get(want.params))
 
 
+def test_a_lora_run_streams_its_adapters_moments_and_keeps_its_frozen_base():
+  """--lora with --offload-optimizer (and --grad-accum): the optimizer state is the adapters'
+  alone, so it is what goes to the host; the frozen base stays on the device, unchanged, and
+  3 steps of the GPU path (run on the CPU's pinned_host memory), accumulated over K
+  microbatches, equal the ordinary whole-batch LoRA step's within the bound
+  tests/test_grad_accum.py's assert_adapters_close gives adapters (and why)."""
+  import dataclasses
+  import jax
+  from configs import load_config
+  from models.lora.spec import LoraSpec
+  from models.tasks import Task
+  from test_grad_accum import K, assert_adapters_close
+  from training.step import offload as ol
+  from training.step import train_step as st
+  from training.step.mesh import Placement
+  cfg = dataclasses.replace(load_config('llama-tiny').model, lora=LoraSpec(rank=4))
+  task, (_, tx) = Task(cfg).at_size(32), _llama()
+  model, off, place = task.model('full'), _offload(task, True), Placement(None)
+  shape, _ = st.abstract_inputs(model, tx, B, 32)
+  ol.check_state(off.inner, shape.opt_state[1], shape.params)
+  assert ol.host_bytes(off, shape) == 2 * sum(a.size * 4 for a in
+                                              jax.tree_util.tree_leaves(shape.params))
+  batch = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                 packed_batch(0))
+  step = ol.compile_run_step(place, st.make_train_step(model, tx, 0, True, K, off), shape,
+                             batch, off)
+  init = jax.jit(lambda: st.init_state(model, tx, 0, 32))
+  frozen = jax.device_get(init().frozen)
+  # Two copies: device_put may keep the device buffers, which the offloaded step donates.
+  state = jax.device_put(init(), ol.state_shardings(off, shape, place))
+  plain, want = jax.jit(st.make_train_step(model, tx, 0, True)), init()
+  for i in range(3):
+    state, _ = step(state, packed_batch(i))
+    want, _ = plain(want, packed_batch(i))
+  mu = state.opt_state[1][0].mu
+  assert {a.sharding.memory_kind for a in jax.tree_util.tree_leaves(mu)} == {'pinned_host'}
+  assert {a.sharding.memory_kind for a in jax.tree_util.tree_leaves(state.frozen)} == {'device'}
+  jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(state.frozen), frozen)
+  assert_adapters_close(jax.device_get(state.params), jax.device_get(want.params))
+
+
 def test_a_nonfinite_step_keeps_the_streamed_state():
   import jax
   import jax.numpy as jnp

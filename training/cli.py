@@ -9,7 +9,7 @@ import sys
 from configs import DEFAULT_CONFIG, config_names
 from remat.policies import PolicyError, list_policies
 from remat.targets import prefer_cpu_without_gpu
-from training.arguments import OneLineParser
+from training.arguments import OneLineParser, add_lora_flags
 from training.data import DataError
 from training.data.text_source import load_named
 from training.run import bounds
@@ -102,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="keep the optimizer state (AdamW's moments) in pinned host memory between "
                       'steps, streamed to the device a layer at a time for the update (a GPU; a '
                       'no-op on the CPU backend; docs/training.md)')
+  add_lora_flags(p)
   meshlib.add_flags(p)
   p.add_argument('--no-memory-report', dest='memory_report', action='store_false',
                  help='skip compiling the no-remat step for the start-up memory line')

@@ -72,6 +72,9 @@ def main(argv=None) -> int:
   p.add_argument('--temperature', type=float, default=0.0, metavar='T',
                  help='0: greedy; above 0: sample from softmax(logits / T) (default: 0)')
   p.add_argument('--seed', type=int, default=0, help='seed of the sampling (default: 0)')
+  p.add_argument('--base', default=None, metavar='HF_FOLDER',
+                 help="a LoRA run's base checkpoint, if it moved since training (checked against "
+                      "the run's record)")
   args = p.parse_args(argv)
   try:
     return _sample(args)
@@ -93,7 +96,7 @@ def _sample(args) -> int:
       raise SampleError(f'--temperature must be a finite number >= 0, got {args.temperature}')
     check_seed(args.seed)
     run = load_run(args.run_dir, lambda m: print(f'training.sample: warning: {m}',
-                                                 file=sys.stderr))
+                                                 file=sys.stderr), base_from=args.base)
     if run.task.is_vision:
       raise SampleError(f"'{args.run_dir}' is a {run.task.arch} run; sampling needs a gpt or "
                         'llama run')
