@@ -12,7 +12,7 @@ from typing import Callable, Hashable, Mapping, Sequence
 import jax
 
 from remat import patterns
-from remat.layout import check_layout, resolve_layout
+from remat.layout import check_layout
 from remat.policies import Policy
 from remat.stack_checks import (StackSignatureError, check_keywords, check_policy,
                                 check_signature, check_stacked, check_swapped, first_layer,
@@ -140,7 +140,6 @@ def scan_layers(layer_fn: Callable | Mapping[Hashable, Callable], stacked_params
     tags |= kind_tags
   if strict and policy.uses_tags:
     policy.validate(tags=tags)
-  layout = resolve_layout(layout, policy, units)
   if pattern is None:
     y, auxs = patterns.run_stack(steps[None], x, stacked[None], n, policy, layout=layout)
   else:

@@ -180,13 +180,34 @@ def check_layout(layout: str) -> str:
   return layout
 
 
-def choose_layout(policy, num_units: int, platform: str | None = None) -> str:
-  """The layout ``'auto'`` stands for: see :data:`LAYOUT_HELP` and docs/own-model.md."""
+# The deepest stack that 'auto' unrolls on a GPU: XLA compiles every unrolled layer, so beyond it
+# the unrolled step compiles more than twice as slowly as the scan (docs/own-model.md).
+AUTO_UNROLL_MAX = 8
+
+
+def choose_layout(policy, num_units: int, batched: bool = False,
+                  platform: str | None = None) -> str:
+  """The layout ``'auto'`` stands for (measured in docs/own-model.md).
+
+  On a GPU, a per-layer rule that keeps matmul outputs (``dots``, ``names:``,
+  a preset, ``offload:``) plans less unrolled, as the per-block ``nn.remat``
+  habit does: the scan keeps its saved values in ``[N, ...]`` loop outputs whose
+  layout XLA copies whole between the forward and backward loops. Everything
+  else is the scan: on the CPU backend (which drops checkpoints in straight-line
+  code), for ``none`` (the scan's lean rule keeps less than an unrolled model),
+  ``full``, segments and mixes (the scan planned less or the same), in a stack
+  deeper than :data:`AUTO_UNROLL_MAX` (compile time) and inside ``jax.vmap``
+  (:func:`remat.unrolled.batched`).
+  """
   platform = platform or target_platform()
-  return 'scan'
+  if platform != 'gpu' or batched or policy.mixed or policy.segmented:
+    return 'scan'
+  if policy.rule in ('none', 'full') or num_units > AUTO_UNROLL_MAX:
+    return 'scan'
+  return 'unrolled'
 
 
-def resolve_layout(layout: str, policy, num_units: int) -> str:
+def resolve_layout(layout: str, policy, num_units: int, batched: bool = False) -> str:
   """``layout``, with ``'auto'`` replaced by :func:`choose_layout`'s choice."""
   check_layout(layout)
-  return choose_layout(policy, num_units) if layout == 'auto' else layout
+  return choose_layout(policy, num_units, batched) if layout == 'auto' else layout

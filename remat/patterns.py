@@ -34,7 +34,8 @@ import numpy as np
 
 from remat.policies import Policy, sqrt_segment_size
 from remat import unrolled_blocks
-from remat.layout import active_reference, lean_saveable
+from remat.unrolled import batched
+from remat.layout import active_reference, lean_saveable, resolve_layout
 from remat.segments import Unit, checkpointed, layer_unit, run_units
 from remat.stack_checks import StackSignatureError
 
@@ -170,13 +171,14 @@ def run_stack(steps: Callable | Mapping[Hashable, Callable], x, xs, num_layers: 
     num_layers: N.
     policy: the policy (its segmenting and mix counts are in repeats of the pattern).
     pattern: the kind of layer i is ``pattern[i % len(pattern)]``; None for one kind.
-    layout: 'scan', 'unrolled', 'loops' or 'groups' (:mod:`remat.layout`; 'auto'
-      resolved by the front door).
+    layout: 'scan', 'unrolled', 'loops', 'groups' or 'auto' (:mod:`remat.layout`:
+      chosen here, per target, policy and whether the stack runs inside ``jax.vmap``).
 
   Returns:
     ``(x, ys)``: ``ys`` stacked ``[N, ...]``, or a mapping kind -> ``[n_kind, ...]``.
   """
   lean = True
+  layout = resolve_layout(layout, policy, num_units(pattern, num_layers), batched(x))
   reference = active_reference()
   if reference is not None:   # a yardstick: the user's loop, per-layer checkpoints of its rule
     policy, layout, lean = reference, 'unrolled', False

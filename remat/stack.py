@@ -43,7 +43,7 @@ import flax.linen as nn
 import jax
 
 from remat import patterns
-from remat.layout import check_layout, resolve_layout
+from remat.layout import check_layout
 from remat.policies import Policy
 from remat.stack_checks import (StackSignatureError, check_keywords, check_policy, check_signature,
                                 check_stacked, note_layer_call, per_layer_scalars, split_output,
@@ -229,7 +229,7 @@ class LayerStack(nn.Module):
       tags |= kind_tags
     if self.strict and policy.uses_tags:
       policy.validate(tags=tags)
-    layout = resolve_layout(self.layout, policy, patterns.num_units(pattern, n))
+    layout = self.layout
     if pattern is None:
       y, (auxs, new) = patterns.run_stack(steps['block'], x, stacked['block'], n, policy,
                                           layout=layout)

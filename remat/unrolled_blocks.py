@@ -6,7 +6,8 @@ Python loop with the derivative of :mod:`remat.unrolled` (gradients written
 into the stacked buffers in place):
 
 * ``unrolled``: every unit on its own, in ``jax.checkpoint`` with the rule
-  (``prevent_cse=True``, as ``nn.remat`` on a block of a Python loop), or for
+  (as ``nn.remat`` on a block of a Python loop; ``prevent_cse=False``, since
+  :mod:`remat.unrolled`'s barriers already keep the recompute apart), or for
   ``none`` no checkpoint at all, which leaves XLA's fusion free as in the
   user's own loop; a segment (``sqrt``, ``seg:K``) keeps only its input and
   runs its units again, each under the rule, in the backward pass.
@@ -71,26 +72,33 @@ def _part_blocks(unit, start: int, count: int, policy: Policy, layout: str, lean
   uniform = count - (tail_unit is not None)
   cache: dict = {}
 
-  def step(u, flat: bool = True, prevent_cse: bool = True, keep_rule=None):
+  def step(u, flat: bool = True, keep_rule=None):
     make = tail_unit if u == start + uniform else unit
     if layout == 'loops':
       return _one_iteration(make(rule or (lean_saveable if lean else None), True, flat=True))
-    return make(keep_rule if keep_rule is not None else rule, prevent_cse, flat=flat)
+    # prevent_cse=False: remat.unrolled passes every block's kept values through an optimization
+    # barrier that also takes the incoming cotangent, so XLA cannot merge the recompute with the
+    # forward pass; the checkpoint's own barriers would only keep XLA from fusing the recompute
+    # into the backward (the issue-34 ViT on the H200 plan, full: 5.59 -> 4.68 MiB, the model's
+    # own per-block nn.remat 4.52 MiB).
+    return make(keep_rule if keep_rule is not None else rule, False, flat=flat)
+
+  # A block with no checkpoint recomputes nothing: its kept values stay free for XLA's fusion.
+  recomputes = layout != 'unrolled' or rule is not None
 
   def one(u, keeps):   # a block of one unit
     key = ('one', u == start + uniform, keeps)
     fn = cache.get(key) or cache.setdefault(key, step(u))
-    return Block(u, 1, fn, keeps)
+    return Block(u, 1, fn, keeps, recomputes)
 
   def several(s, length, keeps):   # a block of units of the same shape
     key = ('several', length, keeps)
     if key not in cache:
       if layout == 'groups':
-        cache[key] = _scanned(step(s, flat=False, prevent_cse=False,
-                                   keep_rule=rule or lean_saveable))
+        cache[key] = _scanned(step(s, flat=False, keep_rule=rule or lean_saveable))
       else:
         cache[key] = _in_turn(step(s), length)
-    return Block(s, length, cache[key], keeps)
+    return Block(s, length, cache[key], keeps, recomputes)
 
   if size is None and layout == 'groups':   # a per-layer rule in scans of ~sqrt(U) units
     size, keeps = sqrt_segment_size(max(uniform, 1)), 'rule'
