@@ -123,3 +123,38 @@ def test_reference_on_its_own_tree():
   assert "'reference' measured on its own arguments (reference_args)" in report.table()
   with pytest.raises(ValueError, match='without a reference'):
     remat.measure(user_mlp.build, *user_mlp.example_args(), reference_args=own)
+
+
+def _stack_build(policy):
+  """The user's MLP on remat.scan_layers (its layers stacked), for the stack's own yardsticks."""
+  def layer(w, h):
+    return h + jnp.tanh(h @ w[0]) @ w[1]
+  return lambda params, x: jnp.mean(remat.scan_layers(layer, params, x, policy=policy) ** 2)
+
+
+def test_per_block_rows_beside_the_stack():
+  """per_block=[...]: the per-block nn.remat yardstick of each rule, and temp/pb of the stack's rows."""
+  from remat.layout import unrolled_reference
+  from remat.measuring import step_memory
+  args = user_mlp.example_args()
+  report = remat.measure(_stack_build, *args, policies=['full', 'dots', 'sqrt'],
+                         reference='unrolled', per_block=['full', 'dots'])
+  assert list(report.results) == ['reference', 'per-block:full', 'per-block:dots', 'none',
+                                  'full', 'dots', 'sqrt']
+  res = report.results
+  with unrolled_reference():
+    assert res['reference'].memory == step_memory(_stack_build(remat.get_policy('none')), *args)
+  # The yardsticks recompute what their rule recomputes: the stack's FLOPs under the same rule.
+  assert res['per-block:full'].flops.flops == res['full'].flops.flops
+  assert res['per-block:dots'].flops.flops == res['dots'].flops.flops
+  rows = {r['policy']: r for r in report.rows()}
+  assert rows['full']['per_block_ratio'] == res['full'].memory.temp / res[
+      'per-block:full'].memory.temp
+  assert rows['sqrt']['per_block_ratio'] is None and rows['none']['per_block_ratio'] is None
+  text = report.table()
+  assert 'temp/pb' in text.splitlines()[2]
+  assert any(line.startswith('# per-block:RULE') for line in
+             remat.table.footer(report.rows(), 'cpu'))
+  for bad in ('sqrt', 'none', '2xfull+none'):
+    with pytest.raises(remat.PolicyError, match='per-layer rules'):
+      remat.measure(_stack_build, *args, per_block=[bad])
