@@ -185,9 +185,12 @@ class Case:
                        num_layers=self.num_layers, cache_key=self.cache_key(), **kwargs)
 
 
-def case(model_cfg, batch_size: int, size: int) -> Case:
-  """The zoo case; one-line ValueError when ``size`` does not fit the model."""
-  return Case(Task(model_cfg).at_size(size), batch_size, size)
+def case(model_cfg, batch_size: int, size: int, layout: str = 'auto') -> Case:
+  """The zoo case; one-line ValueError when ``size`` does not fit the model.
+
+  ``layout``: how the model's stacks become a program (:data:`remat.layout.LAYOUTS`).
+  """
+  return Case(Task(model_cfg, layout).at_size(size), batch_size, size)
 
 
 def measure(model_cfg, spec: str | Policy, batch_size: int, size: int, target: Target,

@@ -459,6 +459,7 @@ class Llama(nn.Module):
   """
   config: LlamaConfig
   policy: Policy | str = 'none'
+  layout: str = 'auto'   # how the stack becomes a program (remat.layout.LAYOUTS)
 
   @nn.compact
   def __call__(self, tokens, *, deterministic: bool = True, return_hidden: bool = False,
@@ -474,7 +475,7 @@ class Llama(nn.Module):
     cos, sin = rotary_tables(cfg, t, positions)
     segs = () if segment_ids is None else (segment_ids,)
     x = LayerStack(Block, cfg.num_layers, policy, block_kwargs={'config': cfg},
-                   name='layers')(x, cos, sin, *segs)
+                   name='layers', layout=self.layout)(x, cos, sin, *segs)
     x = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name='norm')(x)
     if return_hidden:
       return x

@@ -13,6 +13,7 @@ from pathlib import Path
 from configs import DEFAULT_CONFIG, NamedConfig, config_names, load_config, with_dtype
 from models.tasks import Task
 from remat.auto_budget import is_auto, parse_budget
+from remat.layout import check_layout
 from remat.policies import Policy, get_policy
 from training.data.text_source import HF_CONFIG_PREFIX, load_named, tokenizer_for_run
 from training.run import resume_check
@@ -33,6 +34,7 @@ class TrainConfig:
   """
   config: str = 'tiny'
   remat: str = 'sqrt'
+  layout: str = 'auto'   # how the layer stack becomes a program (remat.layout.LAYOUTS)
   model: str | None = None
   steps: int = 300
   batch_size: int = 16
@@ -121,7 +123,8 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
   if cfg.model is not None and cfg.model != named.arch:
     raise RunError(f"--model {cfg.model} does not match config {named.name} (a {named.arch} "
                    f"model); {cfg.model} configs: {', '.join(config_names(cfg.model))}")
-  task = Task(named.model)
+  check_layout(cfg.layout)
+  task = Task(named.model, cfg.layout)
   model_cfg = named.model
   if task.is_vision:
     size = cfg.image_size or model_cfg.image_size
@@ -135,7 +138,7 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
     from training.data.vision_source import num_classes
     named = dataclasses.replace(named, model=dataclasses.replace(
         model_cfg, image_size=size, num_classes=num_classes(cfg.data, model_cfg.num_classes)))
-    task, model_cfg = Task(named.model), named.model
+    task, model_cfg = Task(named.model, cfg.layout), named.model
   else:
     if cfg.image_size is not None:
       raise RunError(f'--image-size applies to vit and resnet configs; {named.name} is a gpt '
@@ -145,7 +148,7 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
       raise RunError(f'--seq-len {size} exceeds config {named.name} max_len {model_cfg.max_len}')
     # The tokenizer's vocabulary must fit the embedding (a fresh model is sized to it).
     named = tokenizer_for_run(cfg, named)[1]
-    task = Task(named.model)
+    task = Task(named.model, cfg.layout)
   if is_auto(cfg.remat):   # a budget: checked here, resolved to a policy by train() (compiles)
     parse_budget(cfg.remat)
     return named, task, size, None
