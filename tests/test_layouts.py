@@ -16,7 +16,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from numerics import assert_trees_close
 from remat import LayerStack, NNXStack, PolicyError, scan_layers
-from remat.layout import LAYOUTS, per_block_reference, unrolled_reference
+from remat.layout import (LAYOUTS, choose_layout, compiling_for, per_block_reference,
+                          unrolled_reference)
+from remat.policies import get_policy
 
 N, D, H, B = 6, 8, 16, 4
 LAYOUTS_RUN = [lay for lay in LAYOUTS if lay != 'auto']
@@ -48,6 +50,22 @@ def test_gradients_equal_across_layouts(spec):
   want = plain_grads(spec, 'scan')
   for layout in LAYOUTS_RUN[1:]:
     assert_trees_close(plain_grads(spec, layout), want, err_msg=f'{spec} {layout}: ')
+
+
+@pytest.mark.parametrize('spec', ['none', 'full', 'dots', 'names:fc1', 'sqrt', '2xfull+none'])
+def test_auto_for_a_gpu_equals_the_scan(spec):
+  """'auto' traced for a GPU (unrolled for a matmul-keeping rule): the scan's gradients."""
+  with compiling_for('gpu'):
+    got = plain_grads(spec, 'auto')
+  assert_trees_close(got, plain_grads(spec, 'scan'), err_msg=f'{spec}: ')
+
+
+def test_auto_is_the_scan_on_cpu_and_inside_vmap():
+  """On the CPU backend (which drops checkpoints in straight-line code) auto plans as before: the scan."""
+  for spec in SPECS:
+    assert choose_layout(get_policy(spec), N, platform='cpu') == 'scan'
+    assert choose_layout(get_policy(spec), N, batched=True, platform='gpu') == 'scan'
+  assert choose_layout(get_policy('dots'), 64, platform='gpu') == 'scan'   # compile time
 
 
 def test_unknown_layout_is_one_line():
