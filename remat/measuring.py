@@ -283,7 +283,7 @@ def measure(build: Callable[[Policy], Any], *example_args,
       :func:`remat.layout.per_block_reference` (each layer in
       ``jax.checkpoint(policy=RULE)`` in a Python loop), measured after the
       reference. Rows of a stack under the same rule then show
-      ``temp/per-block`` (``Report.rows()``: ``per_block_ratio``).
+      ``temp/pb`` (``Report.rows()``: ``per_block_ratio``).
 
   Returns:
     A :class:`Report`: ``results`` per spec, ``front``, ``rows()``, ``table()``.
