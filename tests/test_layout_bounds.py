@@ -6,9 +6,11 @@ The per-block habit is the untouched model with each block in ``nn.remat``
 in straight-line code is kept, the stack should plan no more than that habit
 under the same rule, and no more than the untouched model under ``none``.
 docs/own-model.md has the figures for every public model and ours; two
-representative models are checked here (>= 8 layers, slow: six compiles each).
-Where the stack does not meet a bound yet, the ratio measured is held so that
-it does not grow (docs/own-model.md says which buffers make the difference).
+representative public models and our GPT (its yardsticks traced with
+:mod:`remat.layout`'s references) are checked here, at 8 layers (slow: six
+compiles each). Where the stack does not meet a bound yet, the ratio measured is
+held so that it does not grow (docs/own-model.md says which buffers make the
+difference).
 """
 
 import pytest
@@ -34,6 +36,33 @@ def temps(name: str, target: str) -> dict:
   for spec, _ in BOUNDS:
     out[spec] = step_memory(c.stacked(spec), stacked, c.batch, target=t).temp
   return out
+
+
+def our_temps(config: str, target: str) -> dict:
+  """The same for our zoo model ``config`` at the tests' shape with 8 layers, its yardsticks traced."""
+  from bench.zoo import grad_memory
+  from remat.layout import per_block_reference, unrolled_reference
+  from tests.public_models import ours
+  cfg, (batch, size), t = ours.model_config(config, ours.DEEP), ours.ZOO[config], get_target(target)
+  out = {}
+  for label, context in (('untouched', unrolled_reference()),
+                         ('per-block:full', per_block_reference('full')),
+                         ('per-block:dots', per_block_reference('dots'))):
+    with context:
+      out[label] = grad_memory(cfg, 'none', batch, size, t).temp
+  for spec, _ in BOUNDS:
+    out[spec] = grad_memory(cfg, spec, batch, size, t).temp
+  return out
+
+
+@pytest.mark.gpu_plan
+@pytest.mark.slow
+@pytest.mark.skipif(not gpu_plugin_available(), reason='needs the gpu-plan extra')
+def test_our_gpt_meets_every_bound_h100():
+  """Our tiny GPT (8 layers) meets all three, with no held ratio; its dots is the habit, unrolled."""
+  t = our_temps('tiny', 'h100')
+  assert t['full'] < t['per-block:full'] and t['none'] < t['untouched'], t
+  assert t['dots'] == t['per-block:dots'], t
 
 
 @pytest.mark.gpu_plan
