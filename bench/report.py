@@ -27,7 +27,7 @@ from remat.sweep import SWEEP_POLICIES, format_sweep, plot_sweep
 from remat.layout import LAYOUTS, check_layout, per_block_reference, unrolled_reference
 from remat.table import PER_BLOCK
 from remat.targets import TARGETS, Target, TargetError, get_target, prefer_cpu_without_gpu
-from training.arguments import OneLineParser
+from training.arguments import OneLineParser, add_lora_flags
 
 PROG = 'bench.report'
 MODELS = tuple(zoo.FAMILIES)
@@ -97,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="instead of the table: what is live when in XLA's plan of the train step "
                       'under each policy (one policy: FILE.json/.png/.svg; several: DIR with one '
                       'set per policy and overlay.png); per device with --mesh; docs/measuring.md')
+  add_lora_flags(p)
   p.add_argument('--sweep', metavar='depth=N,N,...|resolution=S,S,...',
                  help=f"depth (or, for vit/resnet, image-side) sweep of {', '.join(SWEEP_POLICIES)} "
                       'instead of the policy table')
@@ -106,10 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _check(args):
   """Resolves (named config, family, size) from --model/--config, --dtype and the shape flags."""
   from configs import load_config, with_dtype
+  from training.run.settings import lora_spec, with_lora
   if args.model is not None and args.model not in MODELS:
     raise ValueError(f"unknown model '{args.model}'; valid: {', '.join(MODELS)}")
   named = with_dtype(load_config(args.config or zoo.FAMILIES[args.model or 'gpt'].default_config),
                      args.dtype)
+  if args.lora is not None and args.lora < 1:
+    raise ValueError(f'--lora must be >= 1 (the rank of the adapters), got {args.lora}')
+  named = with_lora(named, lora_spec(args, named.arch))   # one-line errors, as train.py's
   if args.model is not None and named.arch != args.model:
     raise ValueError(f'--model {args.model} does not match config {named.name} (a {named.arch} model)')
   fam = zoo.FAMILIES[named.arch]
@@ -327,7 +332,17 @@ def main(argv=None) -> int:
     dims = f'image {size}x{size}' if fam.vision else f'seq {size}'
     if args.sweep and args.sweep.startswith('resolution'):
       dims = 'image SxS'
-    header = (f'# {what}, {fam.arch} {named.name}, batch {args.batch_size} x {dims}, '
+    lora = getattr(named.model, 'lora', None)
+    if lora is not None:
+      env['lora'] = dataclasses.asdict(lora)
+      if args.device_peak:
+        raise ValueError('--device-peak runs the full fine-tune of --config in a fresh process; '
+                         'with --lora plan the table instead (drop --device-peak)')
+      if args.fused_update:
+        raise ValueError('--fused-update applies the optimizer to every parameter in the backward '
+                         'pass; a --lora run trains only its adapters: drop one of them')
+    header = (f'# {what}, {fam.arch} {named.name}{f" + {lora.describe()}" if lora else ""}, '
+              f'batch {args.batch_size} x {dims}, '
               f'{named.model.dtype}, target {target.name} ({target.description}), '
               f'layout {args.layout}, compile only'
               f'{" + timed on the local backend" if args.time else ""} (jax {jax.__version__})')

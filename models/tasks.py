@@ -186,4 +186,5 @@ class Task:
     # loss computes the logits in float32 from those operands.
     return chunked_cross_entropy(h.reshape(-1, h.shape[-1]), emb.astype(h.dtype),
                                  labels.reshape(-1), chunk,
-                                 None if weights is None else weights.reshape(-1))
+                                 None if weights is None else weights.reshape(-1),
+                                 emb_grad=self.config.lora is None)   # a LoRA base is frozen

@@ -166,7 +166,8 @@ def test_grain_stream_gives_the_batches_of_batch(folder):
   data = load_image_folder(str(folder), 16, NORM)
   stream = data.stream(5, 4, seed=0, workers=0)
   for step in (5, 6, 7):
-    images, labels = next(stream)
+    images, labels, failures = next(stream)
+    assert failures == ()
     want = data.batch(step, 4, seed=0)
     np.testing.assert_array_equal(np.asarray(images), want[0])
     np.testing.assert_array_equal(np.asarray(labels), want[1])
@@ -178,6 +179,6 @@ def test_grain_worker_processes_give_the_same_batches(folder):
   data = load_image_folder(str(folder), 16, NORM)
   stream = data.stream(0, 4, seed=0, workers=2)
   for step in range(4):
-    images, labels = next(stream)
+    images, labels, _ = next(stream)
     np.testing.assert_array_equal(np.asarray(images), data.batch(step, 4, seed=0)[0])
     np.testing.assert_array_equal(np.asarray(labels), data.batch(step, 4, seed=0)[1])

@@ -10,9 +10,10 @@ from configs import DEFAULT_CONFIG, config_names
 from remat.layout import LAYOUTS
 from remat.policies import PolicyError, list_policies
 from remat.targets import prefer_cpu_without_gpu
-from training.arguments import OneLineParser
+from training.arguments import OneLineParser, add_lora_flags
 from training.data import DataError
 from training.data.text_source import load_named
+from training.run import bounds
 from training.step import mesh as meshlib
 from training.trainer import (DivergedError, RunError, TrainConfig, default_config,
                               matching_config, read_meta, train)
@@ -99,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help='start from the weights of a Hugging Face save_pretrained folder (GPT-2, '
                       'Llama, ViT, ResNet; safetensors); without --config, the shipped config of '
                       'its shape, else one built from its config.json (--config hf:PATH)')
+  add_lora_flags(p)
   meshlib.add_flags(p)
   p.add_argument('--no-memory-report', dest='memory_report', action='store_false',
                  help='skip compiling the no-remat step for the start-up memory line')
@@ -121,7 +123,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
   if 'config' not in flags and args.init_from and not args.resume:
     flags['config'] = matching_config(args.init_from)
   name = flags.get('config', recorded.get('config', default_config(args.model)))
-  values = {k: v for k, v in load_named(name).train.items() if k in valid}
+  named = load_named(name)
+  bounds.check_applicable(named.arch, name, flags)   # a flag of another model is an error
+  values = {k: v for k, v in named.train.items() if k in valid}
   values['config'] = name
   values.update(recorded)
   values.update(flags)

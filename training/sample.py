@@ -72,25 +72,42 @@ def main(argv=None) -> int:
   p.add_argument('--temperature', type=float, default=0.0, metavar='T',
                  help='0: greedy; above 0: sample from softmax(logits / T) (default: 0)')
   p.add_argument('--seed', type=int, default=0, help='seed of the sampling (default: 0)')
+  p.add_argument('--base', default=None, metavar='HF_FOLDER',
+                 help="a LoRA run's base checkpoint, if it moved since training (checked against "
+                      "the run's record)")
   args = p.parse_args(argv)
+  try:
+    return _sample(args)
+  except KeyboardInterrupt:
+    print('training.sample: interrupted', file=sys.stderr)
+    return 130
+
+
+def _sample(args) -> int:
   from remat.targets import prefer_cpu_without_gpu
   prefer_cpu_without_gpu()
   from training.data.text_source import run_tokenizer
+  from training.run.bounds import BoundsError, check_seed
   from training.run.saved_run import RunReadError, load_run
   try:
     if args.max_new_tokens < 1:
       raise SampleError(f'--max-new-tokens must be >= 1, got {args.max_new_tokens}')
     if not (args.temperature >= 0 and np.isfinite(args.temperature)):
       raise SampleError(f'--temperature must be a finite number >= 0, got {args.temperature}')
+    check_seed(args.seed)
     run = load_run(args.run_dir, lambda m: print(f'training.sample: warning: {m}',
-                                                 file=sys.stderr))
+                                                 file=sys.stderr), base_from=args.base)
     if run.task.is_vision:
       raise SampleError(f"'{args.run_dir}' is a {run.task.arch} run; sampling needs a gpt or "
                         'llama run')
+    context = run.task.config.max_len
+    if args.max_new_tokens > context:   # 1000000000 ran for days without a word
+      raise SampleError(f"--max-new-tokens must be <= the model's context of {context} tokens, "
+                        f'got {args.max_new_tokens}')
     tokenizer = run_tokenizer(args.run_dir)
     out = generate(run, tokenizer, args.prompt, args.max_new_tokens, args.temperature,
                    args.seed)
-  except (SampleError, RunReadError, ValueError) as e:
+  except (SampleError, RunReadError, BoundsError, ValueError) as e:
     print(f'training.sample: error: {e}', file=sys.stderr)
     return 2
   print(tokenizer.decode(out))

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,10 +19,13 @@ from configs import NamedConfig
 from models.tasks import Task
 from remat.memory import MemoryStats, compiled_memory, format_bytes
 from remat.policies import Policy, get_policy
-from training.data.text_source import HF_CONFIG_PREFIX, open_text, save_tokenizer, tokenizer_for_run
+from training.data.text_source import HF_CONFIG_PREFIX, open_text, tokenizer_for_run
+from models.lora import params as lora_params
+from training.run import base as lora_base
 from training.run import checkpoints as ckpt
 from training.run import resume_check
 from training.run import rundir
+from training.run import tokenizer_copy
 from training.run.loss_guard import GuardConfig, LossGuard
 from training.run.settings import (  # noqa: F401  (the run's settings, re-exported for callers)
     DivergedError, RunError, TrainConfig, default_config, matching_config,
@@ -68,7 +71,9 @@ def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
 
   Everything that can be checked is checked before ``--out`` is created or
   anything is compiled; then the run takes ``--out``'s lock and holds it to the
-  end. ``warn`` gets one-line warnings (a damaged checkpoint passed over).
+  end. Nothing in ``--out`` is written until every check of the run folder has
+  passed (:func:`_train_locked`), so a refused command leaves it as it was.
+  ``warn`` gets one-line warnings (a damaged checkpoint passed over).
 
   Raises:
     RunError: one line; :class:`DivergedError` if the loss or gradients stopped
@@ -85,15 +90,34 @@ def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
   if cfg.resume and not ((out / 'checkpoints').is_dir() or (out / rundir.LOCK_NAME).exists()
                          or (out / rundir.RECORD_NAME).exists()):
     raise RunError(f"--resume: no checkpoint in {out / 'checkpoints'}")
+  lora = getattr(named.model, 'lora', None)
+  # A LoRA run's adapters and base are what its checkpoints are about: a resume must keep the
+  # adapters' settings and load the base they trained on, checked before the folder is touched.
+  meta = read_meta(out) if cfg.resume else None
+  if meta is not None:
+    _check_lora(meta, named, out)
+  base_rec = None
+  if lora is not None:
+    base_rec = lora_base.record(cfg.init_from, cfg.seed)
+    if meta is not None:
+      lora_base.check(meta.get('base'), base_rec, out)
+  if out.is_dir():   # the run folder's checks, read-only, before data is tokenized or decoded
+    _check_record(cfg, named, out)   # (again under the lock, which a refusal never needs)
   pretrained = None
-  if cfg.init_from and not cfg.resume:
+  if cfg.init_from and (not cfg.resume or lora is not None):
     from models.hf.finetune import load_pretrained
-    pretrained, notes = load_pretrained(cfg.init_from, named.arch, named.model)
+    # A LoRA model's base is the checkpoint's own model, stored as the run keeps it while it
+    # is read; its adapters start fresh.
+    pretrained, notes = load_pretrained(
+        cfg.init_from, named.arch, named.model if lora is None else
+        dataclasses.replace(named.model, lora=None),
+        None if lora is None else lora_base.reader(lora, named.arch, named.model.dtype,
+                                                   named.model.num_layers, log))
     for note in notes:
       log(f'--init-from: {note}')
   if cfg.config.startswith(HF_CONFIG_PREFIX):
     log(f'model: no shipped config has the shape of {cfg.init_from}; built from its config.json')
-  data = _data(cfg, task, size, log, place)
+  data = _data(cfg, task, size, log, warn, place)
   auto_choice = None
   if policy is None:
     from training.step.autoremat import choose_for_run
@@ -103,22 +127,29 @@ def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
   except OSError as e:
     raise RunError(f"--out '{out}' cannot be created: {e.strerror}") from None
-  with rundir.RunLock(out) if place.is_primary else contextlib.nullcontext():
-    if place.is_primary and not task.is_vision:
-      save_tokenizer(cfg, out)   # the run folder carries its tokenizer (export, sampling)
+  lock = rundir.RunLock(out) if place.is_primary else None
+  if lock is not None:
+    lock.acquire()
+  try:
     return _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn, place,
-                         auto_choice)
+                         lock, auto_choice, base_rec)
+  finally:
+    if lock is not None:
+      lock.release()
 
 
 def _check_record(cfg: TrainConfig, named: NamedConfig, out: Path) -> tuple[int | None, dict]:
   """Checks the settings against the newest checkpoint's record.
 
-  Runs before anything is compiled or restored, so a wrong flag costs nothing.
+  Runs before anything is compiled, restored or written, so a wrong flag costs nothing and
+  changes nothing. ``--restart`` is not checked here: it sets the run's files aside.
 
   Returns:
     (the newest checkpoint's step, None if there is none; the compared
     settings that changed, all allowed by ``--allow-changed``).
   """
+  if cfg.restart:
+    return None, {}
   saved = ckpt.steps(out)
   held = rundir.history(out, rundir.read_record(out))
   if not cfg.resume and (saved or held):
@@ -136,6 +167,8 @@ def _check_record(cfg: TrainConfig, named: NamedConfig, out: Path) -> tuple[int 
   if got is None:
     return saved[0], {}  # no readable record: restore reports each checkpoint's problem
   step, meta = got
+  if not Task(named.model).is_vision:  # before the shape: another tokenizer changes the vocabulary
+    tokenizer_copy.check(cfg, out, meta.get('train', {}))
   for what, was, now in (('config', meta.get('config'), named.name),
                          ('model', meta.get('arch'), named.arch)):
     if was != now:
@@ -150,6 +183,7 @@ def _check_record(cfg: TrainConfig, named: NamedConfig, out: Path) -> tuple[int 
   # The dtype is not shape: checked on its own.
   was = json.loads(json.dumps({**_defaults(type(named.model)), **(meta.get('model') or {})}))
   now = json.loads(json.dumps(dataclasses.asdict(named.model)))
+  was.pop('lora', None), now.pop('lora', None)   # compared by _check_lora
   was_dtype, now_dtype = was.pop('dtype', 'float32'), now.pop('dtype')
   if was != now:
     raise RunError(f'--resume: config {named.name} has changed shape since {out} was saved; '
@@ -163,6 +197,30 @@ def _check_record(cfg: TrainConfig, named: NamedConfig, out: Path) -> tuple[int 
   return step, changed
 
 
+def _check_lora(meta: dict, named: NamedConfig, out: Path):
+  """Raises a one-line RunError if the run in ``out`` had other adapters (or none)."""
+  was = (meta.get('model') or {}).get('lora')
+  now = json.loads(json.dumps(dataclasses.asdict(named.model))).get('lora')
+  if was != now:   # adapters are what such a checkpoint holds: no flag changes them
+    raise RunError(f'--resume: {out} was trained {_lora_words(was)}, not {_lora_words(now)}; '
+                   'drop the --lora and --quantize flags to continue it as it was, or pass '
+                   'another --out for a new run')
+
+
+def _lora_words(spec: dict | None) -> str:
+  """'without --lora' or 'with --lora 8 --lora-alpha 16 ... --quantize nf4', from a record."""
+  if not spec:
+    return 'without --lora'
+  words = [f"--lora {spec['rank']}", f"--lora-alpha {spec['alpha']:g}"]
+  if spec.get('dropout'):
+    words.append(f"--lora-dropout {spec['dropout']:g}")
+  if spec.get('targets'):
+    words.append(f"--lora-targets {','.join(spec['targets'])}")
+  if spec.get('quantize'):
+    words.append(f"--quantize {spec['quantize']}")
+  return 'with ' + ' '.join(words)
+
+
 def _defaults(config_cls) -> dict:
   return {f.name: f.default for f in dataclasses.fields(config_cls)
           if f.default is not dataclasses.MISSING}
@@ -173,15 +231,16 @@ NOT_RECORDED = ('resume', 'restart', 'allow_changed')
 
 
 def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
-                  place: meshlib.Placement, auto_choice=None) -> list[dict]:
+                  place: meshlib.Placement, lock: rundir.RunLock | None,
+                  auto_choice=None, base_rec=None) -> list[dict]:
   out = cfg.out_dir
   event = 'start'
+  saved_step, changed = _check_record(cfg, named, out)   # checks only: nothing written yet
   if cfg.restart and place.is_primary:
     moved = rundir.set_previous_aside(out)
     if moved is not None:
       log(f'restart: the previous files of {out} moved to {moved}')
       event = f'restart (previous files in {moved.relative_to(out)})'
-  saved_step, changed = _check_record(cfg, named, out)
   if cfg.resume and saved_step is None:  # the run was killed before its first save completed
     warn(f'no complete checkpoint in {out} (the run ended before its first save); starting '
          "from step 0 with the run's recorded settings")
@@ -198,20 +257,27 @@ def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
   saved = {}
   if saved_step is not None:
     state, saved = ckpt.restore(out, place.abstract(state_shape), warn)  # onto this mesh
+    if base_rec is not None:   # the checkpoint holds the adapters; the base is loaded again
+      state = state.replace(frozen=place.put_state(_frozen_base(pretrained, model, tx, cfg, size,
+                                                                log)))
     log(f"resumed step {int(state.step)} (saved under policy {saved['policy']})")
     event = 'resume'
     if changed:
       log('resume: changed on purpose (--allow-changed): ' + ', '.join(
           f'{resume_check.flag(k)} {was} -> {now}' for k, (was, now) in changed.items()))
   elif pretrained is not None:
-    state = place.put_state(_pretrained_state(pretrained, tx))
+    state = place.put_state(_pretrained_state(pretrained, tx, model, cfg, size, log))
     log(f'initialised from the Hugging Face checkpoint {cfg.init_from}')
   else:
     state = place.put_state(st.init_state(model, tx, cfg.seed, size))
+  if base_rec is not None:
+    log(lora_base.describe(state, named.model.lora))
   start = int(state.step)
   if start >= cfg.steps:
     log(f'nothing to do: {out} is at step {start} of --steps {cfg.steps}')
     return []
+  if place.is_primary:   # every check has passed: the run writes into --out from here on
+    _claim(cfg, out, lock, task.is_vision, fresh=saved_step is None, warn=warn)
   step_fn = place.compile_train_step(model, tx, cfg.seed, state_shape, batch_shape, guard=True)
   if place.mesh is not None:
     log(f'mesh: {place.description}; memory figures are per device')
@@ -225,6 +291,7 @@ def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
       [{'step': start, 'settings': changed}] if changed else [])
   meta = {'config': named.name, 'arch': named.arch, 'model': dataclasses.asdict(named.model),
           'policy': policy.spec, 'data': data_meta,
+          **({'base': base_rec} if base_rec is not None else {}),
           **({'auto': auto_choice.to_json()} if auto_choice else {}),
           'memory': dataclasses.asdict(compiled_memory(step_fn)),   # the step this run compiled
           'train': {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_RECORDED},
@@ -238,13 +305,14 @@ def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
   try:
     try:
       if place.is_primary:
-        old = rundir.read_record(out) or {}
+        old = rundir.read_record(out) or {}   # an unreadable one was set aside by _claim
         record = {'meta': meta, 'saved': start if saved_step is not None else None,
                   'history': old.get('history', []) + [
                       {'event': event, 'step': start, 'time': rundir.now(),
                        **({'changed': changed} if changed else {})}]}
         rundir.write_record(out, record)
-      metrics = rundir.MetricsLog(out, start) if place.is_primary else meshlib.NullMetrics()
+      metrics = (rundir.MetricsLog(out, start, warn) if place.is_primary
+                 else meshlib.NullMetrics())
       mngr = ckpt.manager(out, cfg.save_every, writer=True)
     except OSError as e:
       raise rundir.DiskFullError(_disk_full_line(e, out)) if rundir.is_disk_full(e) else e
@@ -259,6 +327,25 @@ def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
       raise
     raise rundir.DiskFullError(_disk_full_line(e, out)) from None
   return rows
+
+
+def _claim(cfg: TrainConfig, out: Path, lock: rundir.RunLock, vision: bool, fresh: bool, warn):
+  """The run's first writes, after every check: its pid in the lock file, an unreadable
+  ``run.json`` set aside (its history kept), the tokenizer copy (:mod:`training.run.tokenizer_copy`).
+  """
+  try:
+    lock.claim()
+    problem = rundir.record_problem(out)
+    if problem:
+      kept = rundir.set_record_aside(out)
+      warn(f'{out / rundir.RECORD_NAME} cannot be read ({problem}); it is kept as {kept} and '
+           'a new run record starts here')
+    if not vision:
+      tokenizer_copy.write(cfg, out, fresh)   # export and sampling read the run's own copy
+  except OSError as e:
+    if rundir.is_disk_full(e):
+      raise rundir.DiskFullError(_disk_full_line(e, out)) from None
+    raise
 
 
 def _disk_full_line(e: BaseException, out: Path) -> str:
@@ -334,7 +421,7 @@ def _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, m
                             f'state was not saved{_kept(guard, out)}')
       if due and (guard.last_healthy or last):
         metrics.sync()  # rows first: a checkpoint never holds a step whose row can be lost
-        with ckpt.deferred_interrupts():  # a save completes, then an interrupt is taken
+        with ckpt.deferred_interrupts(_interrupted_again):  # a save completes, then an interrupt
           try:
             ckpt.save(mngr, state, meta, force=last)
           except ckpt.CheckpointError as e:
@@ -357,6 +444,17 @@ def _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, m
   return rows
 
 
+def _interrupted_again():
+  """A second interrupt during a save: one line, and exit at once. The interpreter's teardown
+  would let orbax's writer threads report the abandoned save (421 lines); the rows are on disk
+  (synced before the save) and the save's temporary folder is removed by the next run."""
+  sys.stdout.flush()
+  print('train.py: interrupted again during a save; the save was abandoned (its temporary '
+        'folder is no checkpoint); rerun with --resume to continue from the last checkpoint',
+        file=sys.stderr, flush=True)
+  os._exit(130)
+
+
 def _kept(guard: LossGuard, out: Path) -> str:
   """The end of a stop's error line: the suspect checkpoint set aside, the last good one named."""
   note = ''
@@ -368,6 +466,11 @@ def _kept(guard: LossGuard, out: Path) -> str:
   if not kept:
     return (f'{note}; no checkpoint passed the guard: lower --lr (or --grad-clip) and start over '
             'with --restart')
+  if not math.isfinite(guard.config.factor):   # nothing vouched for it: do not call it good
+    return (f'{note}; checkpoint {kept[0]} in {out} is the newest, but with the loss guard off '
+            '(--spike-factor inf) it may hold a blown-up state: check its losses in '
+            'metrics.jsonl before continuing from it with --resume and a lower --lr '
+            '(--allow-changed lr)')
   return (f'{note}; checkpoint {kept[0]} in {out} is the last good one: continue from it with '
           '--resume and a lower --lr (--allow-changed lr) or --grad-clip (--allow-changed grad_clip)')
 
@@ -388,25 +491,53 @@ def _data_batch(task: Task, val):
   return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), val[0])
 
 
-def _data(cfg: TrainConfig, task: Task, size: int, log, place: meshlib.Placement):
+def _data(cfg: TrainConfig, task: Task, size: int, log, warn, place: meshlib.Placement):
   """(batch_at(step), validation batches, what the run records about its data); logs the data."""
   if task.is_vision:
     from training.data.vision_source import open_vision_data
     return open_vision_data(cfg, task, size, log, place.local_rows(cfg.batch_size))
-  return open_text(cfg, size, log, place.local_rows(cfg.batch_size))
+  return open_text(cfg, size, log, place.local_rows(cfg.batch_size), warn)
 
 
-def _pretrained_state(variables: dict, tx) -> st.TrainState:
-  params = jax.tree_util.tree_map(jnp.asarray, variables['params'])
+def _pretrained_state(variables: dict, tx, model, cfg, size: int, log) -> st.TrainState:
   model_state = {k: jax.tree_util.tree_map(jnp.asarray, v) for k, v in variables.items()
                  if k != 'params'}
-  return st.TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
-                       opt_state=tx.init(params))
+  spec = getattr(model.config, 'lora', None)
+  if spec is None:
+    params = jax.tree_util.tree_map(jnp.asarray, variables['params'])
+    return st.TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
+                         opt_state=tx.init(params))
+  # The checkpoint's own trained part (a vision head) over fresh adapters.
+  head = lora_params.split(variables['params'], Task(model.config).arch)[1]
+  trained = lora_params.merge(_fresh_adapters(model, cfg.seed, size),
+                              jax.tree_util.tree_map(jnp.asarray, head))
+  return st.TrainState(step=jnp.zeros((), jnp.int32), params=trained, model_state=model_state,
+                       opt_state=tx.init(trained),
+                       frozen=_frozen_base(variables, model, tx, cfg, size, log))
+
+
+def _fresh_adapters(model, seed: int, size: int) -> dict:
+  """The trained part of a fresh LoRA model (its adapters), without allocating its random base:
+  the init is jitted with only the adapters as outputs, so XLA drops the rest."""
+  task = Task(model.config)
+  return jax.jit(lambda: lora_params.split(task.init_variables(model, seed, size)[0],
+                                           task.arch)[1])()
+
+
+def _frozen_base(pretrained: dict | None, model, tx, cfg, size: int, log) -> dict:
+  """A LoRA run's frozen base: the checkpoint's weights, or the seed's random ones, stored as
+  the run keeps them (compute dtype; quantized kernels under QLoRA)."""
+  mcfg = model.config
+  if pretrained is None:
+    return st.init_state(model, tx, cfg.seed, size).frozen
+  arch = Task(mcfg).arch
+  frozen = lora_params.split(pretrained['params'], arch)[0]
+  return lora_base.freeze(frozen, mcfg.lora, arch, mcfg.dtype)
 
 
 def _evaluate(eval_step, state, val) -> dict:
   """Mean validation loss (and accuracy for vision) over the held-out batches."""
-  results = [eval_step(state.params, state.model_state, b) for b in val]
+  results = [eval_step(state.model_params(), state.model_state, b) for b in val]
   out = {'val_loss': round(float(np.mean([float(l) for l, _ in results])), 5)}
   for name in results[0][1]:
     out[f'val_{name}'] = round(float(np.mean([float(m[name]) for _, m in results])), 5)

@@ -9,12 +9,12 @@ tokenizer's end-of-text token (byte-level text has none; its documents are
 told apart by segment ids alone).
 
 Tokenizing happens once: the first run writes the token stream, the loss mask
-and the document offsets as flat binary files under a cache folder keyed by
-the data files (path, size, modification time) and the tokenizer file's
-content, with a progress bar; later runs memory-map them and start at once.
-Documents are streamed through the tokenizer in chunks, so a large corpus is
-never held in Python lists; the cache is written to a temporary folder and
-renamed when complete, so an interrupted first pass leaves nothing behind.
+and the document offsets as flat binary files into a cache entry keyed by the
+content of the data files and of the tokenizer, with a progress bar; later
+runs verify the entry and memory-map it. Documents are streamed through the
+tokenizer in chunks, so a large corpus is never held in Python lists. The
+entry's safety (content key, per-file digests checked on open, atomic rename,
+concurrent runs, damaged entries rebuilt) is :mod:`training.data.token_cache`'s.
 
 Windows of ``seq_len + 1`` tokens are cut from the stream anywhere, so one
 window holds the end of a document and the start of others; each comes with
@@ -30,12 +30,9 @@ documents, otherwise as the last 10% of the token stream.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -43,17 +40,13 @@ import numpy as np
 from tqdm import tqdm
 
 from training.data import DataError
+from training.data import token_cache
 from training.data.byte_text import VAL_EVERY, stdlib_files
+from training.data.token_cache import TOKEN_DTYPE, cache_root  # noqa: F401  (re-exported)
 from training.data.tokenizer import ByteTokenizer
 
-CACHE_VERSION = 1
 CHUNK_DOCS = 1024      # documents handed to the tokenizer at once
-TOKEN_DTYPE = np.uint32
-
-
-def cache_root() -> Path:
-  """``$REMAT_CACHE`` or ``~/.cache/remat``; token caches live in its ``tokens/``."""
-  return Path(os.environ.get('REMAT_CACHE') or Path.home() / '.cache' / 'remat') / 'tokens'
+CUT_FRACTION = 0.9     # under VAL_EVERY documents: the first 90% of tokens train
 
 
 def is_jsonl(path: str | None) -> bool:
@@ -158,17 +151,6 @@ def _encode(tokenizer, chunk: list[tuple[str, str | None]]):
                                     np.ones(len(tokens) - len(head), np.uint8)])
 
 
-def cache_key(files: list[Path], jsonl: bool, tokenizer) -> str:
-  """Hex digest naming the cache of ``files`` under ``tokenizer``."""
-  h = hashlib.sha256(f'v{CACHE_VERSION} jsonl={jsonl} {tokenizer.name}'.encode())
-  if tokenizer.path is not None:
-    h.update(Path(tokenizer.path).read_bytes())
-  for f in files:
-    st = f.stat()
-    h.update(f'{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n'.encode())
-  return h.hexdigest()[:24]
-
-
 class _Stream:
   """One split's files being written: tokens, loss mask, document offsets."""
 
@@ -194,32 +176,26 @@ def _build(folder: Path, files: list[Path], jsonl: bool, tokenizer, source: str)
 
   Document ``i`` goes to validation when ``i % 10 == 9`` (so a corpus of fewer
   than 10 documents has no validation stream; :func:`load_tokens` then splits
-  the training stream by position).
+  the training stream by position). :mod:`training.data.token_cache` gives the
+  folder, adds the files' digests and renames it into place.
   """
-  folder.parent.mkdir(parents=True, exist_ok=True)
-  tmp = Path(tempfile.mkdtemp(prefix='.building-', dir=folder.parent))
-  try:
-    total = sum(f.stat().st_size for f in files)
-    streams = {'train': _Stream(tmp, 'train'), 'val': _Stream(tmp, 'val')}
-    docs = 0
-    # leave=False: the bar is cleared when done (or failed); the data line says what happened.
-    with tqdm(total=total, unit='B', unit_scale=True, desc=f'tokenizing {source}',
-              file=sys.stderr, mininterval=0.5, leave=False) as bar:
-      texts = (_rows(f, bar) for f in files) if jsonl else iter([_text_docs(files, bar)])
-      for stream in texts:
-        for chunk in _chunks(stream, CHUNK_DOCS):
-          for tokens, mask in _encode(tokenizer, chunk):
-            streams['val' if docs % VAL_EVERY == VAL_EVERY - 1 else 'train'].add(tokens, mask)
-            docs += 1
-    for s in streams.values():
-      s.close()
-    (tmp / 'meta.json').write_text(json.dumps({
-        'documents': docs, 'tokenizer': tokenizer.name, 'source': source,
-        **{f'{k}_tokens': s.offsets[-1] for k, s in streams.items()}}))
-    os.replace(tmp, folder)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
+  total = sum(f.stat().st_size for f in files)
+  streams = {'train': _Stream(folder, 'train'), 'val': _Stream(folder, 'val')}
+  docs = 0
+  # leave=False: the bar is cleared when done (or failed); the data line says what happened.
+  with tqdm(total=total, unit='B', unit_scale=True, desc=f'tokenizing {source}',
+            file=sys.stderr, mininterval=0.5, leave=False) as bar:
+    texts = (_rows(f, bar) for f in files) if jsonl else iter([_text_docs(files, bar)])
+    for stream in texts:
+      for chunk in _chunks(stream, CHUNK_DOCS):
+        for tokens, mask in _encode(tokenizer, chunk):
+          streams['val' if docs % VAL_EVERY == VAL_EVERY - 1 else 'train'].add(tokens, mask)
+          docs += 1
+  for s in streams.values():
+    s.close()
+  (folder / 'meta.json').write_text(json.dumps({
+      'documents': docs, 'tokenizer': tokenizer.name, 'source': source,
+      **{f'{k}_tokens': s.offsets[-1] for k, s in streams.items()}}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +227,7 @@ def _open_split(folder: Path, name: str, n: int) -> Split:
                np.memmap(folder / f'{name}.mask', np.uint8, 'r', shape=(n,)), offsets[:-1])
 
 
-def _cut(split: Split, fraction: float = 0.9) -> tuple[Split, Split]:
+def _cut(split: Split, fraction: float = CUT_FRACTION) -> tuple[Split, Split]:
   """Splits one stream by position (the last 10% held out); documents cut in two stay apart."""
   cut = int(len(split) * fraction)
   starts = split.starts
@@ -304,7 +280,8 @@ class TokenData:
             f"{'read from the token cache' if self.cached else 'tokenized and cached'})")
 
 
-def load_tokens(path: str | None, tokenizer, seq_len: int, cache: Path | None = None) -> TokenData:
+def load_tokens(path: str | None, tokenizer, seq_len: int, cache: Path | None = None,
+                warn=None, check=None) -> TokenData:
   """Tokenizes (or reads from the cache) the documents at ``path`` and splits off validation.
 
   Args:
@@ -312,30 +289,49 @@ def load_tokens(path: str | None, tokenizer, seq_len: int, cache: Path | None = 
     tokenizer: a :mod:`training.data.tokenizer` tokenizer.
     seq_len: the window length; both splits must hold more than ``seq_len + 1`` tokens.
     cache: the cache root (default :func:`cache_root`).
+    warn: gets the one line that says a damaged cache entry is rebuilt (default: stderr).
+    check: ``check(train_tokens, val_tokens)`` raises a DataError for splits the run cannot use
+      (``--eval-batches`` beyond the held-out windows). Like the size checks here, it runs
+      before a new entry is put in the cache: data that is refused leaves no entry.
 
   Raises:
-    DataError: one line: a missing path, a bad row, no documents, too few tokens.
+    DataError: one line: a missing path, a bad row, no documents, too few tokens, a cache
+      folder that cannot be written.
   """
   files, jsonl, source = _files(path)
   if not files:
     raise DataError(f"--data '{source}' holds no files")
-  folder = (cache or cache_root()) / cache_key(files, jsonl, tokenizer)
-  cached = (folder / 'meta.json').is_file()
-  if not cached:
-    _build(folder, files, jsonl, tokenizer, source)
-  meta = json.loads((folder / 'meta.json').read_text())
-  total = meta['train_tokens'] + meta['val_tokens']
-  if meta['documents'] == 0 or total == 0:
-    raise DataError(f"--data '{source}' holds no {'rows' if jsonl else 'text'}")
+
+  def usable(meta: dict):
+    total = meta['train_tokens'] + meta['val_tokens']
+    if meta['documents'] == 0 or total == 0:
+      raise DataError(f"--data '{source}' holds no {'rows' if jsonl else 'text'}")
+    train_len, val_len = _split_sizes(meta)
+    need = seq_len + 2
+    if min(train_len, val_len) < need:
+      raise DataError(f"--data '{source}' is too small: {total:,} tokens; train and "
+                      f'validation splits each need at least {need} for --seq-len {seq_len}')
+    if check is not None:
+      check(train_len, val_len)
+
+  root = cache or cache_root()
+  key = token_cache.content_key(files, jsonl, tokenizer, source)
+  folder, meta, cached = token_cache.open_entry(
+      root, key, tokenizer.vocab_size, lambda tmp: _build(tmp, files, jsonl, tokenizer, source),
+      warn or (lambda m: print(f'warning: {m}', file=sys.stderr, flush=True)), usable)
   train = _open_split(folder, 'train', meta['train_tokens'])
   val = _open_split(folder, 'val', meta['val_tokens'])
   if meta['documents'] < VAL_EVERY:
     train, val = _cut(train)
-  need = seq_len + 2
-  if min(len(train), len(val)) < need:
-    raise DataError(f"--data '{source}' is too small: {total:,} tokens; train and "
-                    f'validation splits each need at least {need} for --seq-len {seq_len}')
   return TokenData(train, val, source, tokenizer.name, meta['documents'], cached)
+
+
+def _split_sizes(meta: dict) -> tuple[int, int]:
+  """The train and validation lengths :func:`load_tokens` gives an entry (see :func:`_cut`)."""
+  if meta['documents'] < VAL_EVERY:
+    cut = int(meta['train_tokens'] * CUT_FRACTION)
+    return cut, meta['train_tokens'] - cut
+  return meta['train_tokens'], meta['val_tokens']
 
 
 def byte_level_default(path: str | None, tokenizer) -> bool:

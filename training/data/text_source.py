@@ -21,17 +21,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import shutil
 from pathlib import Path
 
 from configs import NamedConfig, load_config
+from training.data import DataError
 from training.data.byte_text import load_text
 from training.data.packed_text import byte_level_default, load_tokens
-from training.data.tokenizer import (COMPANION_FILES, TOKENIZER_FILE, ByteTokenizer, HFTokenizer,
-                                find_tokenizer, load_tokenizer)
+from training.data.tokenizer import (TOKENIZER_FILE, ByteTokenizer, HFTokenizer, find_tokenizer,
+                                     load_tokenizer)
+from training.run import bounds
 
 HF_CONFIG_PREFIX = 'hf:'
-# Where a run folder keeps a copy of its tokenizer (training.export and training.sample read it).
+# Where a run folder keeps a copy of its tokenizer (training.export and training.sample read it;
+# training/run/tokenizer_copy.py writes it).
 RUN_TOKENIZER_DIR = 'tokenizer'
 
 
@@ -97,13 +99,15 @@ def tokenizer_for_run(cfg, named: NamedConfig | None = None):
   return tok, named
 
 
-def open_text(cfg, size: int, log, rows: tuple[int, ...] | None = None):
+def open_text(cfg, size: int, log, rows: tuple[int, ...] | None = None, warn=None):
   """(batch_at(step), validation batches, what the run records about its data) of a
   language-model run; logs what the data is. ``rows``: this process's share of each batch on a
-  mesh (None: all); a token corpus reads only those windows from its memory map."""
+  mesh (None: all); a token corpus reads only those windows from its memory map. ``warn``: the
+  line saying a damaged token-cache entry is rebuilt."""
   tok = tokenizer_for_run(cfg)[0]
   if byte_level_default(cfg.data, tok):
     data = load_text(cfg.data, size)
+    check_eval_batches(cfg, size, len(data.val), data.source, 1)
     log(f'data: {data.source}: {data.num_files} files, {len(data.train):,} train / '
         f'{len(data.val):,} val bytes')
     batch_at = lambda step: data.batch(step, cfg.batch_size, size, cfg.seed)
@@ -111,24 +115,35 @@ def open_text(cfg, size: int, log, rows: tuple[int, ...] | None = None):
   if isinstance(tok, HFTokenizer):
     log(f'tokenizer: {tok.name} ({tok.vocab_size:,} ids; documents end with '
         f'{tok.eot_token!r} = {tok.eot_id})')
-  data = load_tokens(cfg.data, tok, size)
+  data = load_tokens(cfg.data, tok, size, warn=warn, check=lambda _, val: check_eval_batches(
+      cfg, size, val, str(cfg.data or 'the python stdlib source'), bounds.LM_BYTES_PER_TOKEN))
   log(f'data: {data.description}')
   batch_at = lambda step: data.batch(step, cfg.batch_size, size, cfg.seed, rows)
   return (batch_at, data.val_batches(cfg.eval_batches, cfg.batch_size, size),
           {'tokenizer': getattr(tok, 'name', str(tok)), 'description': data.description})
 
 
-def save_tokenizer(cfg, out: Path):
-  """Copies the run's tokenizer files (tokenizer.json and companions) into ``out/tokenizer``."""
-  tok = tokenizer_for_run(cfg)[0]
-  if not isinstance(tok, HFTokenizer):
-    return
-  dest = out / RUN_TOKENIZER_DIR
-  dest.mkdir(exist_ok=True)
-  shutil.copyfile(tok.path, dest / TOKENIZER_FILE)
-  for name in COMPANION_FILES:
-    if (tok.path.parent / name).is_file():
-      shutil.copyfile(tok.path.parent / name, dest / name)
+def check_eval_batches(cfg, seq_len: int, val_tokens: int, source: str, bytes_per_token: int):
+  """``--eval-batches`` up to the data: no more held-out windows than the held-out split has
+  distinct windows (evenly spaced starts would repeat), and all of them in memory at once.
+
+  Raises:
+    DataError: one line naming the flag and the largest value the data allows.
+  """
+  distinct = max(0, val_tokens - seq_len)   # starts 0 .. val_tokens - seq_len - 1
+  asked = cfg.eval_batches * cfg.batch_size
+  if asked > distinct:
+    most = distinct // cfg.batch_size
+    fix = (f'pass --eval-batches {most} or fewer' if most else
+           f'pass --batch-size {distinct} or less, or more data')
+    raise DataError(f'--eval-batches {cfg.eval_batches} x --batch-size {cfg.batch_size} asks for '
+                    f'{asked:,} held-out windows of {seq_len + 1} tokens; the held-out split of '
+                    f'{source} ({val_tokens:,} tokens) has {distinct:,}: {fix}')
+  try:
+    bounds.check_held_out_memory(cfg.eval_batches, cfg.batch_size,
+                                 (seq_len + 1) * bytes_per_token)
+  except bounds.BoundsError as e:
+    raise DataError(str(e)) from None
 
 
 def run_tokenizer(run_dir: Path):

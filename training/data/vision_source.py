@@ -14,9 +14,12 @@ from typing import Any, Callable
 import jax.numpy as jnp
 import numpy as np
 
+from training.data import DataError
+from training.data import image_decode
 from training.data.image_folder import (ImageFolderData, class_names, default_workers,
                                    load_image_folder, normalisation)
 from training.data.shapes import CLASSES, PIXEL_MEAN, PIXEL_STD, load_images
+from training.run import bounds
 
 
 def num_classes(data: str | None, config_classes: int) -> int:
@@ -40,7 +43,8 @@ class _Prefetched:
   def __call__(self, step: int):
     if self._stream is None or step != self._next:
       self._stream = self.data.stream(step, self.batch_size, self.seed, self.workers, self.rows)
-    images, labels = next(self._stream)
+    images, labels, failures = next(self._stream)
+    image_decode.REPORT(failures)   # named here, once, whichever worker met them
     self._next = step + 1
     return _as_batch((np.asarray(images), np.asarray(labels)))
 
@@ -66,6 +70,10 @@ def open_vision_data(cfg, task, size: int, log: Callable[[str], Any],
   mc = task.config
   if not cfg.data:
     shapes = load_images(size, min(10, mc.num_classes), mc.channels)
+    try:   # drawn up front and kept: --eval-batches 100000000 was a hang
+      bounds.check_held_out_memory(cfg.eval_batches, cfg.batch_size, size * size * mc.channels * 4)
+    except bounds.BoundsError as e:
+      raise DataError(str(e)) from None
     batch_at = lambda step: _as_batch(shapes.batch(step, cfg.batch_size, cfg.seed))
     val = [_as_batch(b) for b in shapes.val_batches(cfg.eval_batches, cfg.batch_size)]
     log(f'data: {shapes.source}: a fresh training batch every step, '

@@ -1,9 +1,10 @@
 """Orbax checkpoints that can be trusted: never non-finite, digest-verified, with fallback restore.
 
-Each checkpoint holds two items: ``state`` (the :class:`~training.step.train_step.TrainState`)
-and ``meta`` (JSON: config, model, policy, settings, and ``digest``, a SHA-256 of
-the saved arrays). Orbax writes a step into a temporary folder and renames it
-when complete, so a kill mid-save leaves no half checkpoint under a step name;
+Each checkpoint holds two items: ``state`` (the :class:`~training.step.train_step.TrainState`
+without a LoRA run's frozen base, which the run loads again from its source and
+checks against the digest its record holds) and ``meta`` (JSON: config, model,
+policy, settings, and ``digest``, a SHA-256 of the saved arrays). Orbax writes a
+step into a temporary folder and renames it when complete, so a kill mid-save leaves no half checkpoint under a step name;
 the writer removes such leftovers when it opens the folder.
 
 Restore walks the steps newest first and takes the first that restores, whose
@@ -21,6 +22,7 @@ Orbax's own reports of the failure are kept off the terminal
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import shutil
@@ -113,6 +115,17 @@ def nonfinite(state) -> list[str]:
   return bad
 
 
+def _saved(state):
+  """``state`` without its frozen base (a LoRA run's), which no checkpoint holds."""
+  return state.replace(frozen=None) if getattr(state, 'frozen', None) is not None else state
+
+
+def _fields(state) -> dict:
+  """The saved fields by name: what orbax writes (a train state written before the frozen
+  field existed restores into the same names)."""
+  return {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name != 'frozen'}
+
+
 def save(mngr: ocp.CheckpointManager, state, meta: dict, force: bool = False) -> bool:
   """Saves ``state`` if its step is due (or ``force``); returns whether it saved.
 
@@ -123,13 +136,14 @@ def save(mngr: ocp.CheckpointManager, state, meta: dict, force: bool = False) ->
   step = int(state.step)
   if not (force or mngr.should_save(step)):
     return False
+  state = _saved(state)
   whole = host(state)
   bad = nonfinite(whole)
   if bad:
     raise CheckpointError(f'step {step}: non-finite values in {bad[0]}'
                           f'{f" and {len(bad) - 1} more arrays" if len(bad) > 1 else ""}; '
                           'not saved')
-  args = ocp.args.Composite(state=ocp.args.StandardSave(state),
+  args = ocp.args.Composite(state=ocp.args.StandardSave(_fields(state)),
                             meta=ocp.args.JsonSave({**meta, 'digest': digest(whole)}))
   try:
     with orbax_noise.quiet():
@@ -161,12 +175,14 @@ def close(mngr: ocp.CheckpointManager):
 
 
 @contextlib.contextmanager
-def deferred_interrupts():
+def deferred_interrupts(on_second=None):
   """SIGINT and SIGTERM wait until the block ends, then raise KeyboardInterrupt.
 
   Wraps a save: an interrupt in the middle would leave orbax's writer threads
   running while the interpreter shuts down (a traceback after the clean
-  "interrupted" line). A second signal interrupts at once; the temporary
+  "interrupted" line). A second signal interrupts at once: ``on_second()``
+  (which should end the process without the interpreter's teardown, where
+  those threads report: 421 lines), else KeyboardInterrupt. The temporary
   folder it leaves is no checkpoint, and the next run removes it.
   """
   if threading.current_thread() is not threading.main_thread():
@@ -176,6 +192,8 @@ def deferred_interrupts():
 
   def handler(signum, frame):
     if got:
+      if on_second is not None:
+        on_second()
       raise KeyboardInterrupt
     got.append(signum)
   old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -203,34 +221,53 @@ def read_meta(out: Path) -> tuple[int, dict] | None:
   return None
 
 
+# A reader (training.export, training.sample) lists the steps again when one it was restoring
+# disappeared: the run that writes them rotated it out (max_to_keep) and saved a newer one.
+RESCANS = 5
+
+
 def restore(out: Path, state_shape, warn, set_aside: bool = True,
             what: str = '--resume') -> tuple[object, dict]:
   """(state, meta) of the newest checkpoint that restores, verifies and is finite.
 
+  A LoRA run's state comes back without its frozen base (``frozen`` None).
   Newer checkpoints that fail are moved to ``<out>/damaged/`` (unless not
   ``set_aside``: a reader such as ``training.export`` leaves the run as it is),
   each with one ``warn`` line naming the step and the problem; ``what`` names
-  the caller in the error.
+  the caller in the error. A reader whose step vanished while it read it (a
+  training run rotated it out) lists the steps again.
 
   Raises:
     CheckpointError: no checkpoint in ``out`` restores.
   """
-  problems = []
-  for step in steps(out):
-    try:
-      meta = _restore_item(out, step, 'meta', ocp.args.JsonRestore(), 'meta/metadata')
-      # Shardings in state_shape place the arrays on this run's mesh, whatever mesh saved them.
-      state = _restore_item(out, step, 'state', ocp.args.StandardRestore(state_shape))
-      _verify(state, meta)
-    except Exception as e:  # pylint: disable=broad-except
-      # Damaged files surface as many types (ValueError, FileNotFoundError, JSONDecodeError,
-      # XlaRuntimeError from tensorstore, ...); each means this step cannot be used.
-      problems.append(f'step {step}: {_one_line(e)}')
-      moved = f'moved to {_set_aside(out, step)}, ' if set_aside else ''
-      warn(f'checkpoint {step} in {folder(out)} cannot be used ({_one_line(e)}); '
-           f'{moved}trying the previous one')
-      continue
-    return state, meta
+  problems, tried = [], set()
+  for _ in range(RESCANS):
+    rotated = False
+    for step in steps(out):
+      if step in tried:
+        continue
+      try:
+        meta = _restore_item(out, step, 'meta', ocp.args.JsonRestore(), 'meta/metadata')
+        # Shardings in state_shape place the arrays on this run's mesh, whatever mesh saved them.
+        template = _saved(state_shape)
+        state = template.replace(**_restore_item(out, step, 'state',
+                                                 ocp.args.StandardRestore(_fields(template))))
+        _verify(state, meta)
+      except Exception as e:  # pylint: disable=broad-except
+        if not set_aside and not (folder(out) / str(step)).exists():
+          rotated = True   # not damaged: gone; a newer step has taken its place
+          break
+        # Damaged files surface as many types (ValueError, FileNotFoundError, JSONDecodeError,
+        # XlaRuntimeError from tensorstore, ...); each means this step cannot be used.
+        tried.add(step)
+        problems.append(f'step {step}: {_one_line(e)}')
+        moved = f'moved to {_set_aside(out, step)}, ' if set_aside else ''
+        warn(f'checkpoint {step} in {folder(out)} cannot be used ({_one_line(e)}); '
+             f'{moved}trying the previous one')
+        continue
+      return state, meta
+    if not rotated:
+      break
   advice = (f'; they are kept in {out / rundir.DAMAGED_NAME}; pass --restart to start the run '
             f'over on purpose (its files move to {out / rundir.PREVIOUS_NAME}/), or --out for a '
             'new run') if set_aside else ''

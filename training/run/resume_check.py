@@ -3,7 +3,9 @@
 A resumed run continues the computation of the run it resumes only if every
 setting that enters that computation is the same. :data:`COMPARED` lists
 them, in one place: a new setting that changes what a step computes (a data
-source, a tokenizer, ...) is one line here. ``--config``, ``--model``, the
+source, ...) is one line here. The tokenizer is compared by the digest of its
+files against the run's copy (:mod:`training.run.tokenizer_copy`), and cannot
+be changed: the ids would mean other text. ``--config``, ``--model``, the
 config's model shape and ``--dtype`` are checked by
 :func:`training.trainer._check_record` (they name what the checkpoint *is*;
 no flag changes them).
@@ -54,7 +56,6 @@ COMPARED = (
     Compared('image_size', only='vision'),
     Compared('seed'),
     Compared('data', same_path),
-    Compared('tokenizer', same_path, only='lm'),
     Compared('lr'),
     Compared('warmup_steps'),
     Compared('weight_decay'),

@@ -24,7 +24,10 @@ from pathlib import Path
 LOCK_NAME = '.lock'
 METRICS_NAME = 'metrics.jsonl'
 REDONE_NAME = 'metrics.redone.jsonl'  # rows of steps a resume redid, kept beside metrics.jsonl
+# Lines of metrics.jsonl that are not JSON rows (a torn last line, a hand edit), kept verbatim.
+UNREADABLE_NAME = 'metrics.unreadable.txt'
 RECORD_NAME = 'run.json'
+TOKENIZER_NAME = 'tokenizer'  # the run's copy of its tokenizer (training/run/tokenizer_copy.py)
 DAMAGED_NAME = 'damaged'
 PREVIOUS_NAME = 'previous'
 _NAME_MAX = 255  # bytes per path component on Linux and macOS file systems
@@ -106,7 +109,9 @@ class RunLock:
   """An exclusive ``flock`` on ``<out>/.lock`` holding the owner's pid.
 
   The OS drops the lock when the process ends, however it ends, so a lock left
-  by a killed run never blocks the next one.
+  by a killed run never blocks the next one. :meth:`acquire` only takes the
+  lock; the pid is written by :meth:`claim`, which the trainer calls once every
+  check has passed, so a refused command leaves the file as it was.
   """
 
   def __init__(self, out: Path):
@@ -114,7 +119,8 @@ class RunLock:
     self._fd = None
 
   def acquire(self):
-    """Takes the lock or raises :class:`RunDirError` naming the pid holding it."""
+    """Takes the lock or raises :class:`RunDirError` naming the pid holding it; writes nothing
+    (it creates ``.lock`` in a folder that has none)."""
     try:
       fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
@@ -126,9 +132,21 @@ class RunLock:
       os.close(fd)
       raise RunDirError(f'{self.path.parent} is in use by another train.py run (pid {holder}); '
                         'wait for it to end, or pass another --out') from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f'{os.getpid()}\n'.encode(), 0)
     self._fd = fd
+
+  def claim(self):
+    """Writes this process's pid into the held lock file (what a second run's error names).
+
+    Raises:
+      DiskFullError, RunDirError: one line, for a file that cannot be written.
+    """
+    try:
+      os.ftruncate(self._fd, 0)
+      os.pwrite(self._fd, f'{os.getpid()}\n'.encode(), 0)
+    except OSError as e:
+      if is_disk_full(e):
+        raise DiskFullError(f'no space left on device writing {self.path}') from None
+      raise RunDirError(f"--out: cannot write '{self.path}': {e.strerror}") from None
 
   def release(self):
     if self._fd is not None:
@@ -137,6 +155,7 @@ class RunLock:
 
   def __enter__(self):
     self.acquire()
+    self.claim()
     return self
 
   def __exit__(self, *exc):
@@ -148,16 +167,27 @@ def strict(row: dict) -> dict:
   return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
 
 
-def read_rows(path: Path) -> list[dict]:
-  """The rows of a ``metrics.jsonl``; a torn last line (a kill mid-write) is skipped."""
-  rows = []
+def read_lines(path: Path) -> tuple[list[dict], list[str]]:
+  """(rows, other lines) of a ``metrics.jsonl``: each line that is a JSON object is a row; any
+  other line (a torn last line of a killed run, a hand edit, damage) is returned as it was."""
+  rows, other = [], []
   if path.exists():
-    for line in path.read_text().splitlines():
+    for line in path.read_bytes().decode('utf-8', errors='replace').splitlines():
       try:
-        rows.append(json.loads(line))
-      except json.JSONDecodeError:
-        continue
-  return rows
+        row = json.loads(line)
+      except ValueError:
+        row = None
+      if isinstance(row, dict):
+        rows.append(row)
+      elif line.strip():
+        other.append(line)
+  return rows, other
+
+
+def read_rows(path: Path) -> list[dict]:
+  """The rows of a ``metrics.jsonl``; lines that are not JSON rows are skipped (see
+  :class:`MetricsLog`, which sets them aside)."""
+  return read_lines(path)[0]
 
 
 def kept_rows(out: Path, through_step: int) -> list[dict]:
@@ -180,14 +210,27 @@ class MetricsLog:
   durable on disk, and runs before each checkpoint, so a checkpoint never
   holds a step whose row can be lost.
 
+  Lines that are not JSON rows (a torn last line, a damaged or hand-edited line)
+  are appended verbatim to ``metrics.unreadable.txt`` before the rewrite;
+  ``warn`` gets one line when any of them was more than a torn last line.
+
   Attributes:
     rows: the kept rows, oldest first (the run's history up to ``through_step``).
   """
 
-  def __init__(self, out: Path, through_step: int):
+  def __init__(self, out: Path, through_step: int, warn=lambda _: None):
     self.path = out / METRICS_NAME
     by_step, aside = {}, []
-    for row in read_rows(self.path):
+    found, unreadable = read_lines(self.path)
+    if unreadable:
+      _append_durably(out / UNREADABLE_NAME, ''.join(l + '\n' for l in unreadable))
+      # A last line without its end is a row a killed run was writing: expected, not reported.
+      text = self.path.read_bytes().decode('utf-8', errors='replace')
+      torn = not text.endswith('\n') and text.splitlines()[-1] == unreadable[-1]
+      if len(unreadable) > torn:
+        warn(f'{len(unreadable)} lines of {self.path} are not JSON rows; they are kept in '
+             f'{out / UNREADABLE_NAME}')
+    for row in found:
       if isinstance(row.get('step'), int) and row['step'] <= through_step:
         if row['step'] in by_step:
           aside.append(by_step[row['step']])
@@ -195,11 +238,9 @@ class MetricsLog:
       else:
         aside.append(row)
     if aside:  # before the rewrite: a kill in between leaves a row twice, never none
-      with open(out / REDONE_NAME, 'a') as f:
-        f.writelines(json.dumps(strict({**r, 'redone_after': through_step}), allow_nan=False)
-                     + '\n' for r in aside)
-        f.flush()
-        os.fsync(f.fileno())
+      _append_durably(out / REDONE_NAME, ''.join(
+          json.dumps(strict({**r, 'redone_after': through_step}), allow_nan=False) + '\n'
+          for r in aside))
     self.rows = [r for _, r in sorted(by_step.items())]
     tmp = self.path.with_name(self.path.name + '.tmp')
     with open(tmp, 'w') as f:
@@ -223,13 +264,48 @@ class MetricsLog:
     self._file.close()
 
 
+def _append_durably(path: Path, text: str):
+  with open(path, 'a') as f:
+    f.write(text)
+    f.flush()
+    os.fsync(f.fileno())
+
+
 def read_record(out: Path) -> dict | None:
-  """``<out>/run.json`` (None if absent or unreadable)."""
+  """``<out>/run.json`` (None if absent or unreadable; :func:`record_problem` tells which)."""
   try:
     record = json.loads((out / RECORD_NAME).read_text())
   except (OSError, ValueError):
     return None
   return record if isinstance(record, dict) else None
+
+
+def record_problem(out: Path) -> str | None:
+  """Why ``<out>/run.json`` exists but cannot be read as a run record; None if it reads or is
+  absent."""
+  path = out / RECORD_NAME
+  if not path.exists() and not path.is_symlink():
+    return None
+  try:
+    record = json.loads(path.read_text())
+  except OSError as e:
+    return e.strerror or type(e).__name__
+  except ValueError as e:
+    return f'not JSON ({str(e).splitlines()[0]})'
+  return None if isinstance(record, dict) else f'a JSON {type(record).__name__}, not a record'
+
+
+def set_record_aside(out: Path) -> Path:
+  """Moves an unreadable ``run.json`` to ``run.json.unreadable`` (``.2``, ... if taken); returns
+  where. Its history is kept there; the run starts a new record."""
+  dest = out / f'{RECORD_NAME}.unreadable'
+  n = 1
+  while dest.exists():
+    n += 1
+    dest = out / f'{RECORD_NAME}.unreadable.{n}'
+  os.replace(out / RECORD_NAME, dest)
+  _fsync_dir(out)
+  return dest
 
 
 def write_record(out: Path, record: dict):
@@ -248,10 +324,14 @@ def write_record(out: Path, record: dict):
 def history(out: Path, record: dict | None) -> str | None:
   """What says ``out`` held checkpoints of a run (None: it never completed one).
 
-  A run killed before its first save completed has none and may start over.
+  A run killed before its first save completed has none and may start over. A
+  ``run.json`` that cannot be read counts as a run's history: it may have saved.
   """
   if record and record.get('saved') is not None:
     return f"checkpoint {record['saved']} was saved (run.json)"
+  problem = None if record else record_problem(out)
+  if problem:
+    return f'its run record {out / RECORD_NAME} cannot be read: {problem}'
   damaged = out / DAMAGED_NAME
   if damaged.is_dir() and any(damaged.iterdir()):
     return f'its damaged checkpoints are in {damaged}'
@@ -261,10 +341,13 @@ def history(out: Path, record: dict | None) -> str | None:
 def set_previous_aside(out: Path) -> Path | None:
   """Moves what a run left in ``out`` to ``out/previous/N/`` (for ``--restart``); None if nothing.
 
-  Checkpoints, damaged checkpoints, metrics and the run record move; nothing is deleted.
+  Checkpoints, damaged checkpoints, metrics, the run record (and any unreadable one set aside)
+  and the tokenizer copy move; nothing is deleted.
   """
-  names = ('checkpoints', DAMAGED_NAME, METRICS_NAME, REDONE_NAME, RECORD_NAME)
-  present = [n for n in names if (out / n).exists()]
+  names = ('checkpoints', DAMAGED_NAME, METRICS_NAME, REDONE_NAME, UNREADABLE_NAME, RECORD_NAME,
+           TOKENIZER_NAME)
+  present = [n for n in names if (out / n).exists()] + sorted(
+      p.name for p in out.glob(f'{RECORD_NAME}.unreadable*'))
   if not present:
     return None
   n = 1

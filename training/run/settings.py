@@ -7,15 +7,16 @@ costs nothing (the CLI turns :class:`RunError` into one line and exit code 2).
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 
 from configs import DEFAULT_CONFIG, NamedConfig, config_names, load_config, with_dtype
+from models.lora.spec import QUANTIZE, LoraSpec, resolve_targets
 from models.tasks import Task
 from remat.auto_budget import is_auto, parse_budget
 from remat.layout import check_layout
 from remat.policies import Policy, get_policy
 from training.data.text_source import HF_CONFIG_PREFIX, load_named, tokenizer_for_run
+from training.run import bounds
 from training.run import resume_check
 from training.run import rundir
 from training.run.loss_guard import GuardConfig
@@ -30,7 +31,10 @@ class TrainConfig:
   must have. ``dtype`` (None: the model config's) overrides the model config's
   compute dtype (docs/precision.md). ``restart`` and ``allow_changed`` act on
   one invocation and are not recorded; ``spike_*`` are the loss guard's
-  thresholds (:mod:`training.run.loss_guard`).
+  thresholds (:mod:`training.run.loss_guard`). ``lora`` (a rank; None: full
+  fine-tuning) with ``lora_alpha`` (None: twice the rank), ``lora_dropout``,
+  ``lora_targets`` (None: every projection) and ``quantize`` make a LoRA or
+  QLoRA run (:func:`lora_spec`, docs/finetuning.md).
   """
   config: str = 'tiny'
   remat: str = 'sqrt'
@@ -63,6 +67,11 @@ class TrainConfig:
   spike_patience: int = GuardConfig.patience
   data_workers: int | None = None  # image folders: Grain worker processes (None: by core count)
   tokenizer: str | None = None  # None: --init-from's tokenizer, else bytes (training/data/tokenizer.py)
+  lora: int | None = None  # --lora RANK: adapters on a frozen base (models/lora)
+  lora_alpha: float | None = None  # None: 2 * rank
+  lora_dropout: float = 0.0
+  lora_targets: str | None = None  # comma-separated projection names; None: all
+  quantize: str | None = None  # int8 | nf4: the frozen base stored quantized (QLoRA)
 
   @property
   def out_dir(self) -> Path:
@@ -70,6 +79,8 @@ class TrainConfig:
       return Path(self.out)
     # A bfloat16 run of the same config and policy gets its own folder (float32 keeps the name).
     suffix = f'-{self.dtype}' if self.dtype not in (None, 'float32') else ''
+    if self.lora is not None:   # an adapter run beside the full fine-tune of the same config
+      suffix += f'-lora{self.lora}' + (f'-{self.quantize}' if self.quantize else '')
     return Path('runs') / (rundir.default_name(self.config, self.remat) + suffix)
 
 
@@ -86,27 +97,18 @@ def _flag(name: str) -> str:
 
 
 def _check_positive(cfg: TrainConfig):
-  for name in ('steps', 'batch_size', 'seq_len', 'eval_every', 'eval_batches', 'save_every',
-               'spike_patience'):
-    if getattr(cfg, name) < 1:
-      raise RunError(f'{_flag(name)} must be >= 1, got {getattr(cfg, name)}')
-  for name in ('warmup_steps', 'skip_nonfinite'):
-    if getattr(cfg, name) < 0:
-      raise RunError(f'{_flag(name)} must be >= 0, got {getattr(cfg, name)}')
-  # NaN fails every comparison, so each check is written to pass only for good values.
-  for name, low, strict in (('lr', 0.0, True), ('grad_clip', 0.0, True),
-                            ('weight_decay', 0.0, False)):
-    value = getattr(cfg, name)
-    if not (math.isfinite(value) and (value > low if strict else value >= low)):
-      raise RunError(f"{_flag(name)} must be a finite number {'>' if strict else '>='} {low:g}, "
-                     f'got {value}')
-  # The guard's thresholds may be inf (the guard off), never NaN or below their floor.
-  for name, low in (('spike_factor', 1.0), ('spike_margin', 0.0)):
-    if not getattr(cfg, name) >= low:
-      raise RunError(f'{_flag(name)} must be >= {low:g} (inf turns the guard off), got '
-                     f'{getattr(cfg, name)}')
-  if cfg.resume and cfg.restart:
-    raise RunError('--resume continues a run and --restart starts it over; pass one of them')
+  try:   # every number in its range (training/run/bounds.py)
+    bounds.check_numbers(cfg)
+  except bounds.BoundsError as e:
+    raise RunError(str(e)) from None
+  if cfg.lora is None:
+    for name in ('lora_alpha', 'lora_targets'):
+      if getattr(cfg, name) is not None:
+        raise RunError(f'{_flag(name)} sets up a LoRA run: pass --lora RANK with it (e.g. --lora 16)')
+    if cfg.lora_dropout:
+      raise RunError('--lora-dropout sets up a LoRA run: pass --lora RANK with it (e.g. --lora 16)')
+  elif cfg.lora < 1:
+    raise RunError(f'--lora must be >= 1 (the rank of the adapters), got {cfg.lora}')
   resume_check.parse_allowed(cfg.allow_changed)
 
 
@@ -120,6 +122,7 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
   """
   _check_positive(cfg)
   named = with_dtype(load_named(cfg.config), cfg.dtype)
+  named = with_lora(named, lora_spec(cfg, named.arch))
   if cfg.model is not None and cfg.model != named.arch:
     raise RunError(f"--model {cfg.model} does not match config {named.name} (a {named.arch} "
                    f"model); {cfg.model} configs: {', '.join(config_names(cfg.model))}")
@@ -127,7 +130,7 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
   task = Task(named.model, cfg.layout)
   model_cfg = named.model
   if task.is_vision:
-    size = cfg.image_size or model_cfg.image_size
+    size = model_cfg.image_size if cfg.image_size is None else cfg.image_size
     if task.arch == 'vit' and (size < 1 or size % model_cfg.patch_size):
       raise RunError(f'--image-size {size} does not fit config {named.name}: a ViT takes a '
                      f'multiple of its patch size {model_cfg.patch_size} (its positions are '
@@ -139,6 +142,7 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
     named = dataclasses.replace(named, model=dataclasses.replace(
         model_cfg, image_size=size, num_classes=num_classes(cfg.data, model_cfg.num_classes)))
     task, model_cfg = Task(named.model, cfg.layout), named.model
+    row, what = size * size * model_cfg.channels * 4, f'{size}x{size}x{model_cfg.channels} pixels'
   else:
     if cfg.image_size is not None:
       raise RunError(f'--image-size applies to vit and resnet configs; {named.name} is a gpt '
@@ -149,11 +153,47 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
     # The tokenizer's vocabulary must fit the embedding (a fresh model is sized to it).
     named = tokenizer_for_run(cfg, named)[1]
     task = Task(named.model, cfg.layout)
+    row, what = (size + 1) * bounds.LM_BYTES_PER_TOKEN, f'{size + 1} tokens'
+  try:
+    bounds.check_batch_memory(cfg.batch_size, row, what)
+  except bounds.BoundsError as e:
+    raise RunError(str(e)) from None
   if is_auto(cfg.remat):   # a budget: checked here, resolved to a policy by train() (compiles)
     parse_budget(cfg.remat)
     return named, task, size, None
   policy = get_policy(cfg.remat, num_layers=task.num_layers)
   return named, task, size, policy.validate(task.num_layers, task.emitted_tags(size))
+
+
+def lora_spec(cfg, arch: str) -> LoraSpec | None:
+  """The adapters the ``--lora*``/``--quantize`` settings ask for (None without ``--lora``).
+
+  ``cfg`` is a :class:`TrainConfig` or anything with those fields (bench.report's flags).
+
+  Raises:
+    RunError: one line: a rank below 1, a target no projection of ``arch`` has
+      (naming those it has), a family without adapters, a bad alpha or dropout.
+  """
+  if cfg.quantize is not None and cfg.quantize not in QUANTIZE:
+    raise RunError(f"--quantize must be one of {', '.join(QUANTIZE)}, got '{cfg.quantize}'")
+  if cfg.lora is None:
+    if cfg.quantize is not None:
+      raise RunError('--quantize stores a LoRA run\'s frozen base: pass --lora RANK with it '
+                     '(e.g. --lora 16 --quantize nf4)')
+    return None
+  try:
+    alpha = float(cfg.lora_alpha) if cfg.lora_alpha is not None else 2.0 * cfg.lora
+    return LoraSpec(rank=cfg.lora, alpha=alpha, dropout=float(cfg.lora_dropout or 0.0),
+                    targets=resolve_targets(arch, cfg.lora_targets), quantize=cfg.quantize)
+  except ValueError as e:
+    raise RunError(str(e)) from None
+
+
+def with_lora(named: NamedConfig, spec: LoraSpec | None) -> NamedConfig:
+  """``named`` with its model's adapters set to ``spec`` (None: unchanged)."""
+  if spec is None:
+    return named
+  return dataclasses.replace(named, model=dataclasses.replace(named.model, lora=spec))
 
 
 def default_config(model: str | None) -> str:

@@ -65,13 +65,15 @@ def plan_row(place: Placement, step_fn, state, batch, spec: str) -> dict:
       compiler_options=compiler_options('cpu' if platform == 'cpu' else 'gpu') or None)
   mem: MemoryStats = compiled_memory(compiled, platform)
   sh = place.state_shardings(state)
-  params = shard_bytes(state.params, sh.params) + shard_bytes(state.model_state, sh.model_state)
+  grads = shard_bytes(state.params, sh.params)   # what trains (a LoRA run: its adapters)
+  params = grads + shard_bytes(state.model_state, sh.model_state) + shard_bytes(state.frozen,
+                                                                                sh.frozen)
   opt = shard_bytes(state.opt_state, sh.opt_state)
   return {'policy': spec, 'mesh': dict(place.mesh.shape), 'devices': place.mesh.size,
-          'params': params, 'opt_state': opt, 'grads': params,
+          'params': params, 'opt_state': opt, 'grads': grads,
           'batch': shard_bytes(batch, place.batch_shardings(batch)),
           'argument': mem.argument, 'output': mem.output, 'alias': mem.alias, 'temp': mem.temp,
-          'temp_minus_grads': mem.temp - params, 'host_temp': mem.host_temp, 'peak': mem.peak}
+          'temp_minus_grads': mem.temp - grads, 'host_temp': mem.host_temp, 'peak': mem.peak}
 
 
 COLUMNS = (('policy', 'policy'), ('params', 'params'), ('opt_state', 'opt state'),
