@@ -67,7 +67,7 @@ def format_rows(rows: list[dict], header: str) -> str:
 def offload_report(args, named, fam, size, target, header, specs) -> dict:
   """The ``--offload-optimizer`` table for a GPU target (see the module docstring)."""
   refuse_combinations(args)
-  case = zoo.case(named.model, args.batch_size, size, args.grad_accum)
+  case = zoo.case(named.model, args.batch_size, size, args.layout, microbatches=args.grad_accum)
   rows = offload_rows(case, specs, target)
   print(format_rows(rows, header.replace('# train step', '# train step, optimizer state in '
                                          'host memory')))

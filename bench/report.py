@@ -20,10 +20,12 @@ import jax
 from bench import zoo
 from bench.device_peak import measured_device_peak
 from bench.sweep import depth_sweep, resolution_sweep
-from remat import PolicyError, measuring, table
+from remat import PolicyError, get_policy, measuring, table
 from remat.memory import format_bytes
 from remat.policies import registered_specs
 from remat.sweep import SWEEP_POLICIES, format_sweep, plot_sweep
+from remat.layout import LAYOUTS, check_layout, per_block_reference, unrolled_reference
+from remat.table import PER_BLOCK
 from remat.targets import TARGETS, Target, TargetError, get_target, prefer_cpu_without_gpu
 from training.arguments import OneLineParser, add_lora_flags
 
@@ -62,6 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
                  help="'all', or specs separated by ',' (by ';' when a spec holds ','); "
                       'default: a set chosen per model family')
   p.add_argument('--target', default='cpu', help=f"compile for: {', '.join(TARGETS)}")
+  p.add_argument('--layout', default='auto',
+                 help=f"how the layer stack becomes a program: {', '.join(LAYOUTS)} (auto: per "
+                      'target and policy; the parameters are the same under every layout)')
+  p.add_argument('--reference', default=None, choices=('unrolled',),
+                 help="with the policy table: a first row, the model with its layers in a "
+                      'Python loop and no checkpoint (remat.layout.unrolled_reference); every '
+                      'ratio is to it')
+  p.add_argument('--per-block', default='', metavar='RULE,...',
+                 help='with the policy table: a row per rule (full,dots), the model with each '
+                      'layer in jax.checkpoint(policy=RULE) in a Python loop, the one-line '
+                      'nn.remat habit (remat.layout.per_block_reference)')
   p.add_argument('--time', action='store_true',
                  help='also run each step (median of 5 after 2 warm-up; local backend only)')
   p.add_argument('--device-peak', action='store_true',
@@ -122,7 +135,9 @@ def _check(args):
                       ('image-size' if fam.vision else 'seq-len', size)):
     if value < 1:
       raise ValueError(f'--{name} must be >= 1, got {value}')
-  zoo.case(named.model, args.batch_size, size, args.grad_accum)  # one-line errors: size, K
+  check_layout(args.layout)
+  # One-line errors: the size does not fit, K does not divide the batch.
+  zoo.case(named.model, args.batch_size, size, args.layout, microbatches=args.grad_accum)
   if args.grad_accum > 1 and (args.sweep or args.fit or args.fused_update or args.device_peak):
     raise ValueError('--grad-accum plans the policy table, --mesh and --explain: drop --sweep, '
                      '--fit, --fused-update and --device-peak')
@@ -161,14 +176,27 @@ def _policy_report(args, named, fam, size, target, header) -> dict:
   if args.device_peak and jax.default_backend() != 'gpu':
     raise ValueError(f'--device-peak needs an attached GPU; the {jax.default_backend()} '
                      'backend keeps no peak memory statistics')
-  case = zoo.case(named.model, args.batch_size, size, args.grad_accum)
+  case = zoo.case(named.model, args.batch_size, size, args.layout, microbatches=args.grad_accum)
   tags = sorted(case.tags())
   policies = measuring.resolve_policies(parse_specs(args.policies, fam.policies, tags), set(tags),
                                         case.num_layers)  # one-line errors before any compile
+  blocks = [get_policy(r, tags=tags) for r in args.per_block.split(',') if r.strip()]
+  if any(p.segmented or p.mixed or not p.remat_layers for p in blocks):
+    raise PolicyError(f"--per-block takes per-layer rules that checkpoint (full,dots), got "
+                      f"'{args.per_block}'")
   fused = args.fused_update
+  if fused and (blocks or args.reference):
+    raise ValueError('--fused-update measures the policy table of its own step: drop --reference '
+                     'and --per-block')
   example_args = case.fused_step_args() if fused else case.step_args()
   results, peaks = {}, {}
   from tqdm import tqdm
+  yardsticks = ([('reference', unrolled_reference())] if args.reference else []) + [
+      (PER_BLOCK + p.spec, per_block_reference(p)) for p in blocks]
+  for label, context in tqdm(yardsticks, desc='yardsticks', unit='program', file=sys.stderr):
+    with context:   # traced, compiled and its residuals read inside the yardstick
+      results[label] = measuring.measure_policy(case.train_step(get_policy('none')),
+                                                *example_args, spec=label, target=target)
   for policy in tqdm(policies, desc='compiling', unit='policy', file=sys.stderr):
     step = case.fused_train_step(policy) if fused else case.train_step(policy)
     real = (case.real_fused_step_args() if fused else case.real_step_args()) if args.time else None
@@ -177,7 +205,7 @@ def _policy_report(args, named, fam, size, target, header) -> dict:
     if args.device_peak:
       peaks[policy.spec] = measured_device_peak(named.name, policy.spec, args.batch_size,
                                                 size, dtype=named.model.dtype)['peak_bytes']
-  rows = measuring.Report(results, target).rows()
+  rows = measuring.Report(results, target, 'reference' if args.reference else 'none').rows()
   for r in rows:
     r['measured_device_peak'] = peaks.get(r['policy'])
   print(table.format_table(rows, header, args.time))
@@ -199,7 +227,7 @@ def _mesh_report(args, named, fam, size, target, header) -> dict:
   place = _placement(args, target)
   from training.step.accumulate import check
   check(args.grad_accum, args.batch_size, place.batch_shards)
-  case = zoo.case(named.model, args.batch_size, size, args.grad_accum)
+  case = zoo.case(named.model, args.batch_size, size, args.layout, microbatches=args.grad_accum)
   tags = sorted(case.tags())
   policies = measuring.resolve_policies(parse_specs(args.policies, fam.policies, tags), set(tags),
                                         case.num_layers)
@@ -239,7 +267,7 @@ def _explain_report(args, named, fam, size, target, header) -> dict:
   if args.sweep or args.fit or args.time or args.device_peak or args.plot:
     raise ValueError('--explain explains the train step at one shape: drop --sweep, --fit, '
                      '--time, --device-peak and --plot')
-  case = zoo.case(named.model, args.batch_size, size, args.grad_accum)
+  case = zoo.case(named.model, args.batch_size, size, args.layout, microbatches=args.grad_accum)
   tags = sorted(case.tags())
   specs = parse_specs(args.policies, fam.policies, tags)
   text = args.policies or ''
@@ -268,7 +296,7 @@ def _explain_report(args, named, fam, size, target, header) -> dict:
 def _offload_report(args, named, fam, size, target, header) -> dict:
   """``--offload-optimizer`` on a GPU target (:mod:`bench.offload`)."""
   from bench.offload import offload_report
-  case = zoo.case(named.model, args.batch_size, size)
+  case = zoo.case(named.model, args.batch_size, size, args.layout)
   tags = sorted(case.tags())
   specs = [p.spec for p in measuring.resolve_policies(
       parse_specs(args.policies, fam.policies, tags), set(tags), case.num_layers)]
@@ -283,7 +311,7 @@ def _fit_report(args, named, fam, size, target, header) -> dict:
     raise ValueError(f"--budget '{args.budget}': a fraction of none's plan depends on the batch; "
                      'give auto:SIZE or auto')
   nbytes = budget.resolve(0, target.device_memory, target.name)
-  base = zoo.case(named.model, args.batch_size, size)
+  base = zoo.case(named.model, args.batch_size, size, args.layout)
   tags = sorted(base.tags())
   specs = [p.spec for p in measuring.resolve_policies(
       parse_specs(args.policies, fam.policies, tags), set(tags), base.num_layers)]
@@ -295,8 +323,8 @@ def _fit_report(args, named, fam, size, target, header) -> dict:
   offload = args.offload_optimizer and target.sharding is not None   # a no-op on the CPU
 
   def case(v: int):
-    c = zoo.case(named.model, v, size, offload=offload) if args.fit == 'batch' else zoo.case(
-        named.model, args.batch_size, v, offload=offload)
+    c = zoo.case(named.model, v, size, args.layout, offload=offload) if args.fit == 'batch' \
+        else zoo.case(named.model, args.batch_size, v, args.layout, offload=offload)
     return c.train_step, c.step_args()
   fits = fit_table(case, specs, nbytes, target, base.num_layers, high=high)
   head = header.replace(f'batch {args.batch_size} x ', 'batch B x ' if args.fit == 'batch' else
@@ -320,7 +348,8 @@ def main(argv=None) -> int:
     shape = {'image_size': size} if fam.vision else {'seq_len': size}
     env = {'jax': jax.__version__, 'backend': jax.default_backend(), 'target': target.name,
            'device': target.description, 'model': fam.arch, 'config': named.name,
-           'batch_size': args.batch_size, **shape, 'dtype': named.model.dtype}
+           'batch_size': args.batch_size, **shape, 'dtype': named.model.dtype,
+           'layout': args.layout}
     what = 'loss gradient (no optimizer)' if args.sweep else 'train step'
     if args.fused_update:
       if args.sweep or args.fit or args.mesh or args.explain or args.device_peak:
@@ -348,7 +377,8 @@ def main(argv=None) -> int:
                          'pass; a --lora run trains only its adapters: drop one of them')
     header = (f'# {what}, {fam.arch} {named.name}{f" + {lora.describe()}" if lora else ""}, '
               f'batch {args.batch_size} x {dims}, '
-              f'{named.model.dtype}, target {target.name} ({target.description}), compile only'
+              f'{named.model.dtype}, target {target.name} ({target.description}), '
+              f'layout {args.layout}, compile only'
               f'{" + timed on the local backend" if args.time else ""} (jax {jax.__version__})')
     if args.offload_optimizer and target.sharding is not None and not args.fit:
       body = _offload_report(args, named, fam, size, target, header)

@@ -199,13 +199,17 @@ class Case:
                        num_layers=self.num_layers, cache_key=self.cache_key(), **kwargs)
 
 
-def case(model_cfg, batch_size: int, size: int, microbatches: int = 1,
+def case(model_cfg, batch_size: int, size: int, layout: str = 'auto', *, microbatches: int = 1,
          offload: bool = False) -> Case:
   """The zoo case; one-line ValueError when ``size`` does not fit the model, or
-  ``microbatches`` does not divide ``batch_size``."""
+  ``microbatches`` does not divide ``batch_size``.
+
+  ``layout``: how the model's stacks become a program (:data:`remat.layout.LAYOUTS`).
+  ``microbatches``, ``offload``: see :class:`Case`.
+  """
   from training.step.accumulate import check
   check(microbatches, batch_size)
-  return Case(Task(model_cfg).at_size(size), batch_size, size, microbatches, offload)
+  return Case(Task(model_cfg, layout).at_size(size), batch_size, size, microbatches, offload)
 
 
 def measure(model_cfg, spec: str | Policy, batch_size: int, size: int, target: Target,

@@ -189,6 +189,7 @@ class GPT(nn.Module):
   """
   config: GPTConfig
   policy: Policy | str = 'none'
+  layout: str = 'auto'   # how the stack becomes a program (remat.layout.LAYOUTS)
 
   @nn.compact
   def __call__(self, tokens, *, deterministic: bool = True, return_hidden: bool = False,
@@ -207,7 +208,7 @@ class GPT(nn.Module):
     segs = () if segment_ids is None else (segment_ids,)
     x = LayerStack(Block, cfg.num_layers, policy,
                    block_kwargs={'config': cfg, 'deterministic': deterministic},
-                   name='h')(x, *segs, deterministic=deterministic)
+                   name='h', layout=self.layout)(x, *segs, deterministic=deterministic)
     x = LayerNorm(cfg.layer_norm_eps, name='ln_f')(x)
     if return_hidden:
       return x

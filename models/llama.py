@@ -499,6 +499,7 @@ class Llama(nn.Module):
   """
   config: LlamaConfig
   policy: Policy | str = 'none'
+  layout: str = 'auto'   # how the stack becomes a program (remat.layout.LAYOUTS)
 
   @nn.compact
   def __call__(self, tokens, *, deterministic: bool = True, return_hidden: bool = False,
@@ -515,7 +516,8 @@ class Llama(nn.Module):
     # Keys are drawn only where something uses them: the unadapted model stays as it was.
     drop = not deterministic and cfg.lora is not None and cfg.lora.dropout > 0
     x = LayerStack(Block, cfg.num_layers, policy, block_kwargs={'config': cfg},
-                   name='layers')(x, cos, sin, *segs, deterministic=not drop)
+                   name='layers', layout=self.layout)(x, cos, sin, *segs,
+                                                      deterministic=not drop)
     x = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name='norm')(x)
     if return_hidden:
       return x

@@ -196,6 +196,7 @@ class ViT(nn.Module):
   """
   config: ViTConfig
   policy: Policy | str = 'none'
+  layout: str = 'auto'   # how the stack becomes a program (remat.layout.LAYOUTS)
 
   @nn.compact
   def __call__(self, images, *, deterministic: bool = True):
@@ -207,6 +208,6 @@ class ViT(nn.Module):
     x = Embeddings(cfg, name='embeddings')(images, deterministic)
     x = LayerStack(Block, cfg.num_layers, policy,
                    block_kwargs={'config': cfg, 'deterministic': deterministic},
-                   name='encoder')(x, deterministic=deterministic)
+                   name='encoder', layout=self.layout)(x, deterministic=deterministic)
     x = LayerNorm(cfg.layer_norm_eps, name='layernorm')(x)
     return _dense(cfg.num_classes, 'classifier', cfg.dtype)(x[:, 0])

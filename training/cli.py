@@ -7,6 +7,7 @@ import dataclasses
 import sys
 
 from configs import DEFAULT_CONFIG, config_names
+from remat.layout import LAYOUTS
 from remat.policies import PolicyError, list_policies
 from remat.targets import prefer_cpu_without_gpu
 from training.arguments import OneLineParser, add_lora_flags
@@ -60,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "auto:Fx (auto:0.6x of none's plan) or auto (a GPU's pool), resolved to the "
                       "policy of least recompute that fits (docs/auto.md); 'list' prints them all "
                       "(default: sqrt, or the resumed run's)")
+  p.add_argument('--layout', default=None, metavar='LAYOUT',
+                 help=f"how the layer stack becomes a program: {', '.join(LAYOUTS)} (auto: the "
+                      'scan on CPU, chosen per policy on a GPU; the parameters are the same under '
+                      "every layout; docs/own-model.md) (default: auto, or the resumed run's)")
   p.add_argument('--model', default=None, metavar='MODEL',
                  help=f"model family: {', '.join(DEFAULT_CONFIG)}; picks its default config "
                       f"({', '.join(f'{k}: {v}' for k, v in DEFAULT_CONFIG.items())})")

@@ -13,6 +13,7 @@ from configs import DEFAULT_CONFIG, NamedConfig, config_names, load_config, with
 from models.lora.spec import QUANTIZE, LoraSpec, resolve_targets
 from models.tasks import Task
 from remat.auto_budget import is_auto, parse_budget
+from remat.layout import check_layout
 from remat.policies import Policy, get_policy
 from training.data.text_source import HF_CONFIG_PREFIX, load_named, tokenizer_for_run
 from training.run import bounds
@@ -37,6 +38,7 @@ class TrainConfig:
   """
   config: str = 'tiny'
   remat: str = 'sqrt'
+  layout: str = 'auto'   # how the layer stack becomes a program (remat.layout.LAYOUTS)
   model: str | None = None
   steps: int = 300
   batch_size: int = 16
@@ -126,7 +128,8 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
   if cfg.model is not None and cfg.model != named.arch:
     raise RunError(f"--model {cfg.model} does not match config {named.name} (a {named.arch} "
                    f"model); {cfg.model} configs: {', '.join(config_names(cfg.model))}")
-  task = Task(named.model)
+  check_layout(cfg.layout)
+  task = Task(named.model, cfg.layout)
   model_cfg = named.model
   if task.is_vision:
     size = model_cfg.image_size if cfg.image_size is None else cfg.image_size
@@ -140,7 +143,7 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
     from training.data.vision_source import num_classes
     named = dataclasses.replace(named, model=dataclasses.replace(
         model_cfg, image_size=size, num_classes=num_classes(cfg.data, model_cfg.num_classes)))
-    task, model_cfg = Task(named.model), named.model
+    task, model_cfg = Task(named.model, cfg.layout), named.model
     row, what = size * size * model_cfg.channels * 4, f'{size}x{size}x{model_cfg.channels} pixels'
   else:
     if cfg.image_size is not None:
@@ -151,7 +154,7 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
       raise RunError(f'--seq-len {size} exceeds config {named.name} max_len {model_cfg.max_len}')
     # The tokenizer's vocabulary must fit the embedding (a fresh model is sized to it).
     named = tokenizer_for_run(cfg, named)[1]
-    task = Task(named.model)
+    task = Task(named.model, cfg.layout)
     row, what = (size + 1) * bounds.LM_BYTES_PER_TOKEN, f'{size + 1} tokens'
   try:
     bounds.check_batch_memory(cfg.batch_size, row, what)
