@@ -19,7 +19,7 @@ from configs import NamedConfig
 from models.tasks import Task
 from remat.memory import MemoryStats, compiled_memory, format_bytes
 from remat.policies import Policy, get_policy
-from training.data.text_source import HF_CONFIG_PREFIX, open_text, tokenizer_for_run
+from training.data.text_source import HF_CONFIG_PREFIX, byte_stream, open_text, tokenizer_for_run
 from training.run import checkpoints as ckpt
 from training.run import resume_check
 from training.run import rundir
@@ -318,6 +318,7 @@ def _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, m
           log, warn, place, guard: LossGuard, record: dict | None) -> list[dict]:
   out = cfg.out_dir
   eval_step = st.make_eval_step(model)
+  counted = [_counted(b) for b in val]   # before placing: the host's copy of each batch
   val = [place.put_batch(b) for b in val]
   rows = []
   start = int(state.step)
@@ -344,7 +345,7 @@ def _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, m
         if spike:
           row['spike'] = True
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-          row.update(_evaluate(eval_step, state, val))
+          row.update(_evaluate(eval_step, state, val, counted))
       metrics.write(row)
       rows.append(row)
       if bad_in_row > cfg.skip_nonfinite:
@@ -388,7 +389,9 @@ def _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, m
     last = rows[-1]
     what = (f"val loss {last['val_loss']:.3f}, val accuracy {last['val_accuracy']:.1%}"
             if task.is_vision else f"val loss {last['val_loss']:.3f} nats/"
-            f"{'byte' if tokenizer_for_run(cfg)[0].name == 'bytes' else 'token'}")
+            f"{'byte' if tokenizer_for_run(cfg)[0].name == 'bytes' else 'token'}" + (
+                '' if byte_stream(cfg) else ' (the mean over the tokens the loss counts, '
+                'completions, of whole held-out rows)'))
     log(f"done: step {last['step']}, train loss {last['loss']:.3f}, {what}; "
         f"metrics and checkpoints in {out}")
   return rows
@@ -457,10 +460,25 @@ def _pretrained_state(variables: dict, tx) -> st.TrainState:
                        opt_state=tx.init(params))
 
 
-def _evaluate(eval_step, state, val) -> dict:
-  """Mean validation loss (and accuracy for vision) over the held-out batches."""
+def _counted(batch) -> float:
+  """How many targets a held-out batch's loss is a mean over: for packed windows the labels in
+  the loss mask and in their input's row (:meth:`models.tasks.Task._lm_loss`); 1 per image, or
+  per label of a byte window."""
+  if isinstance(batch, dict) and 'loss_mask' in batch:
+    segs = np.asarray(batch['segment_ids'])
+    targets = np.asarray(batch['loss_mask'])[:, 1:] > 0
+    return float((targets & (segs[:, 1:] == segs[:, :-1])).sum())
+  return 1.0
+
+
+def _evaluate(eval_step, state, val, counted) -> dict:
+  """Validation loss (and accuracy for vision) over the held-out batches: each batch's mean
+  weighted by its targets (``counted``), so packed text reports the mean over the completion
+  tokens of the held-out rows, however they fall into batches."""
   results = [eval_step(state.params, state.model_state, b) for b in val]
-  out = {'val_loss': round(float(np.mean([float(l) for l, _ in results])), 5)}
+  w = np.asarray(counted, np.float64)
+  mean = lambda xs: float(np.sum(np.asarray([float(x) for x in xs]) * w) / max(w.sum(), 1.0))
+  out = {'val_loss': round(mean(l for l, _ in results), 5)}
   for name in results[0][1]:
-    out[f'val_{name}'] = round(float(np.mean([float(m[name]) for _, m in results])), 5)
+    out[f'val_{name}'] = round(mean(m[name] for _, m in results), 5)
   return out

@@ -99,6 +99,11 @@ def tokenizer_for_run(cfg, named: NamedConfig | None = None):
   return tok, named
 
 
+def byte_stream(cfg) -> bool:
+  """True when the run reads :mod:`training.data.byte_text`'s byte stream (loss in nats/byte)."""
+  return byte_level_default(cfg.data, tokenizer_for_run(cfg)[0])
+
+
 def open_text(cfg, size: int, log, rows: tuple[int, ...] | None = None, warn=None):
   """(batch_at(step), validation batches, what the run records about its data) of a
   language-model run; logs what the data is. ``rows``: this process's share of each batch on a
@@ -107,7 +112,8 @@ def open_text(cfg, size: int, log, rows: tuple[int, ...] | None = None, warn=Non
   tok = tokenizer_for_run(cfg)[0]
   if byte_level_default(cfg.data, tok):
     data = load_text(cfg.data, size)
-    check_eval_batches(cfg, size, len(data.val), data.source, 1)
+    check_eval_batches(cfg, size, max(0, len(data.val) - size),
+                       f'the held-out split of {data.source} ({len(data.val):,} tokens)', 1)
     log(f'data: {data.source}: {data.num_files} files, {len(data.train):,} train / '
         f'{len(data.val):,} val bytes')
     batch_at = lambda step: data.batch(step, cfg.batch_size, size, cfg.seed)
@@ -115,30 +121,38 @@ def open_text(cfg, size: int, log, rows: tuple[int, ...] | None = None, warn=Non
   if isinstance(tok, HFTokenizer):
     log(f'tokenizer: {tok.name} ({tok.vocab_size:,} ids; documents end with '
         f'{tok.eot_token!r} = {tok.eot_id})')
+  source = str(cfg.data or 'the python stdlib source')
   data = load_tokens(cfg.data, tok, size, warn=warn, check=lambda _, val: check_eval_batches(
-      cfg, size, val, str(cfg.data or 'the python stdlib source'), bounds.LM_BYTES_PER_TOKEN))
+      cfg, size, val, f'the held-out rows of {source}, packed', bounds.LM_BYTES_PER_TOKEN,
+      cover=True))
   log(f'data: {data.description}')
+  log(data.packing_line)
   batch_at = lambda step: data.batch(step, cfg.batch_size, size, cfg.seed, rows)
   return (batch_at, data.val_batches(cfg.eval_batches, cfg.batch_size, size),
-          {'tokenizer': getattr(tok, 'name', str(tok)), 'description': data.description})
+          {'tokenizer': getattr(tok, 'name', str(tok)), 'description': data.description,
+           'packed_fraction': round(data.train_windows.fraction, 4)})
 
 
-def check_eval_batches(cfg, seq_len: int, val_tokens: int, source: str, bytes_per_token: int):
+def check_eval_batches(cfg, seq_len: int, distinct: int, held_out: str, bytes_per_token: int,
+                       cover: bool = False):
   """``--eval-batches`` up to the data: no more held-out windows than the held-out split has
-  distinct windows (evenly spaced starts would repeat), and all of them in memory at once.
+  distinct windows (``distinct``; evenly spaced ones would repeat), and all of them in memory
+  at once. ``held_out`` names the split in the error line. ``cover``: the last batch may be
+  filled up with empty windows (packed rows: ``TokenData.val_batches`` of
+  :mod:`training.data.packed_text`), so the batches that cover every window are allowed.
 
   Raises:
     DataError: one line naming the flag and the largest value the data allows.
   """
-  distinct = max(0, val_tokens - seq_len)   # starts 0 .. val_tokens - seq_len - 1
   asked = cfg.eval_batches * cfg.batch_size
-  if asked > distinct:
-    most = distinct // cfg.batch_size
-    fix = (f'pass --eval-batches {most} or fewer' if most else
+  most = -(-distinct // cfg.batch_size) if cover else distinct // cfg.batch_size
+  if cfg.eval_batches > most:
+    fix = (f'pass --eval-batches {most} or fewer' + (' (it covers them all)' if cover else '')
+           if most else
            f'pass --batch-size {distinct} or less, or more data')
     raise DataError(f'--eval-batches {cfg.eval_batches} x --batch-size {cfg.batch_size} asks for '
-                    f'{asked:,} held-out windows of {seq_len + 1} tokens; the held-out split of '
-                    f'{source} ({val_tokens:,} tokens) has {distinct:,}: {fix}')
+                    f'{asked:,} held-out windows of {seq_len + 1} tokens; there are {distinct:,} '
+                    f'in {held_out}: {fix}')
   try:
     bounds.check_held_out_memory(cfg.eval_batches, cfg.batch_size,
                                  (seq_len + 1) * bytes_per_token)
