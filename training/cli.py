@@ -9,7 +9,7 @@ import sys
 from configs import DEFAULT_CONFIG, config_names
 from remat.policies import PolicyError, list_policies
 from remat.targets import prefer_cpu_without_gpu
-from training.arguments import OneLineParser
+from training.arguments import DefaultsHelpFormatter, OneLineParser
 from training.data import DataError
 from training.data.text_source import load_named
 from training.run import bounds
@@ -20,7 +20,8 @@ from training.trainer import (DivergedError, RunError, TrainConfig, default_conf
 _FLAGS = {  # flag -> (type, help); defaults come from the named config, then TrainConfig
     'steps': (int, 'optimizer steps'),
     'batch_size': (int, 'sequences or images per step'),
-    'seq_len': (int, 'gpt: tokens (bytes) per sequence, at most the config max_len'),
+    'seq_len': (int, 'gpt/llama: tokens per sequence (bytes for byte-level text), at most the '
+                     'config max_len'),
     'image_size': (int, 'vit/resnet: image side in pixels (a ViT: a multiple of its patch size; '
                         'positions from --init-from are resampled to it)'),
     'lr': (float, 'peak AdamW learning rate (linear warmup, cosine decay to 10%%)'),
@@ -50,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
       prog='train.py',
       description='Train a GPT-2-style byte-level model, or a ViT / ResNet on procedural images, '
                   'with a named remat policy.',
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+      formatter_class=DefaultsHelpFormatter)
   p.add_argument('--remat', default=None, metavar='SPEC',
                  help="remat policy spec, e.g. none, full, dots, names:query_proj,out_proj, sqrt, "
                       "seg:4, full@sqrt, 4xfull+none; or a memory budget, auto:SIZE (auto:8GiB), "
@@ -76,6 +77,23 @@ def build_parser() -> argparse.ArgumentParser:
                       "(default: this Python's stdlib source); vit/resnet: an image folder, "
                       "DIR/<class>/*.png|jpg|jpeg or DIR/train/<class>/... and DIR/val/<class>/... "
                       "(default: procedural shapes)")
+  p.add_argument('--eval-data', default=None, action='append', metavar='PATH',
+                 help='gpt/llama: a .jsonl or text file (or a folder) of held-out rows, every '
+                      "row evaluated (metrics eval_<its stem>_loss, ...) beside --data's own "
+                      'held-out split; may be given several times')
+  p.add_argument('--eval-generate', type=int, default=None, metavar='N',
+                 help='gpt/llama: at each evaluation, greedy generation (a KV cache) on the '
+                      'first N prompt/completion rows of each held-out set: exact match and '
+                      'token accuracy beside the loss, each row in OUT/generations.jsonl '
+                      '(default: 0, none)')
+  p.add_argument('--keep-best', default=None, metavar='METRIC',
+                 help='keep the step with the best value of this held-out metric (val_loss, '
+                      'val_accuracy, val_exact_match, eval_<name>_loss, ...; lower is better for '
+                      '*_loss) in OUT/best, apart from the rotation; training.export and '
+                      'training.sample take it by default')
+  p.add_argument('--early-stop', type=int, default=None, metavar='PATIENCE',
+                 help='with --keep-best: stop after PATIENCE evaluations in a row without a '
+                      'better value, saving the last state')
   p.add_argument('--tokenizer', default=None, metavar='PATH',
                  help="gpt/llama: a tokenizer.json or a folder holding one, or 'bytes' "
                       "(default: the --init-from folder's tokenizer, else bytes)")
@@ -106,6 +124,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
   the resumed run's recorded settings (with --resume), explicit flags."""
   valid = {f.name for f in dataclasses.fields(TrainConfig)}
   flags = {k: v for k, v in vars(args).items() if v is not None and k in valid}
+  if 'eval_data' in flags:
+    flags['eval_data'] = tuple(flags['eval_data'])
   recorded = {}
   if args.resume or args.restart:
     known = {k: v for k, v in flags.items() if k in ('config', 'remat', 'out', 'dtype')}

@@ -80,9 +80,10 @@ def write_weights(folder: Path, state_dict: dict[str, np.ndarray], max_bytes: in
 
 
 def export(run_dir, out_dir, dtype: str = 'float32', max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-           log=print, warn=lambda m: print(f'training.export: warning: {m}', file=sys.stderr)
-           ) -> Path:
-  """Writes the Hugging Face folder of ``run_dir``'s latest checkpoint to ``out_dir``.
+           log=print, warn=lambda m: print(f'training.export: warning: {m}', file=sys.stderr),
+           which: str | None = None) -> Path:
+  """Writes the Hugging Face folder of ``run_dir``'s best step (``--keep-best``) or latest
+  checkpoint (``which``: :func:`training.run.saved_run.load_run`) to ``out_dir``.
 
   Raises:
     ExportError, RunReadError: one line.
@@ -100,7 +101,7 @@ def export(run_dir, out_dir, dtype: str = 'float32', max_shard_bytes: int = DEFA
   if out.exists() and (not out.is_dir() or any(out.iterdir())):
     raise ExportError(f"'{out}' already exists and is not an empty folder; give a new OUT_DIR")
   _check_writable(out)   # before the checkpoint is read: a wrong OUT_DIR costs nothing
-  run = load_run(run_dir, warn)
+  run = load_run(run_dir, warn, which)
   arch = run.task.arch
   data = run.meta.get('data') or {}
   extra = EXTRA_FILES.get(arch, lambda _: {})(run.task.config)
@@ -137,7 +138,7 @@ def export(run_dir, out_dir, dtype: str = 'float32', max_shard_bytes: int = DEFA
                         'exported') from None
     raise
   size = sum(a.nbytes for a in state_dict.values())
-  log(f'exported step {run.step} of {run_dir} ({arch}, {size / 2**20:.1f} MiB of {dtype} '
+  log(f'exported {run.described} of {run_dir} ({arch}, {size / 2**20:.1f} MiB of {dtype} '
       f"weights) to {out}: {', '.join(files)}")
   return out
 
@@ -236,12 +237,15 @@ def main(argv=None) -> int:
   p.add_argument('--max-shard-size', type=parse_size, default=DEFAULT_SHARD_BYTES, metavar='SIZE',
                  help='largest safetensors file before the weights are sharded with an index '
                       '(default: 5GB, as save_pretrained)')
+  p.add_argument('--checkpoint', choices=('best', 'last'), default=None,
+                 help="the run's best step (kept by --keep-best) or its last (default: best "
+                      'when the run kept one)')
   args = p.parse_args(argv)
   try:
     from remat.targets import prefer_cpu_without_gpu
     prefer_cpu_without_gpu()
     from training.run.saved_run import RunReadError
-    export(args.run_dir, args.out_dir, args.dtype, args.max_shard_size)
+    export(args.run_dir, args.out_dir, args.dtype, args.max_shard_size, which=args.checkpoint)
   except (ExportError, RunReadError, ValueError) as e:
     print(f'training.export: error: {e}', file=sys.stderr)
     return 2

@@ -20,6 +20,7 @@ from models.tasks import Task
 from remat.memory import MemoryStats, compiled_memory, format_bytes
 from remat.policies import Policy, get_policy
 from training.data.text_source import HF_CONFIG_PREFIX, byte_stream, open_text, tokenizer_for_run
+from training.run import best as best_lib
 from training.run import checkpoints as ckpt
 from training.run import resume_check
 from training.run import rundir
@@ -29,6 +30,7 @@ from training.run.settings import (  # noqa: F401  (the run's settings, re-expor
     DivergedError, RunError, TrainConfig, default_config, matching_config,
     resolve)
 from training.step import mesh as meshlib
+from training.step import held_out_eval as hev
 from training.step import train_step as st
 
 
@@ -99,6 +101,7 @@ def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
   if cfg.config.startswith(HF_CONFIG_PREFIX):
     log(f'model: no shipped config has the shape of {cfg.init_from}; built from its config.json')
   data = _data(cfg, task, size, log, warn, place)
+  best_lib.check_metric(cfg.keep_best, cfg.early_stop, _logged(cfg, task, data[3]))
   auto_choice = None
   if policy is None:
     from training.step.autoremat import choose_for_run
@@ -200,7 +203,7 @@ def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
   if cfg.resume and saved_step is None:  # the run was killed before its first save completed
     warn(f'no complete checkpoint in {out} (the run ended before its first save); starting '
          "from step 0 with the run's recorded settings")
-  batch_at, val, data_meta = data
+  batch_at, val, data_meta, held_out = data
   log(f'model: {named.name} ({named.description}) | dtype: {named.model.dtype} | policy: '
       f'{policy.spec}: {policy.description}')
 
@@ -267,7 +270,8 @@ def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
     except OSError as e:
       raise rundir.DiskFullError(_disk_full_line(e, out)) if rundir.is_disk_full(e) else e
     try:
-      rows = _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, metrics,
+      rows = _loop(cfg, task, size, policy, step_fn, state, batch_at, held_out, model, meta,
+                   metrics,
                    mngr, log, warn, place, guard, record)
     finally:
       ckpt.close(mngr)
@@ -314,14 +318,20 @@ def _disk_full_line(e: BaseException, out: Path) -> str:
   return f"{what or f'no space left on device in {out}'}; {intact}"
 
 
-def _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, metrics, mngr,
+def _loop(cfg, task, size, policy, step_fn, state, batch_at, held_out, model, meta, metrics, mngr,
           log, warn, place, guard: LossGuard, record: dict | None) -> list[dict]:
   out = cfg.out_dir
   eval_step = st.make_eval_step(model)
-  counted = [_counted(b) for b in val]   # before placing: the host's copy of each batch
-  val = [place.put_batch(b) for b in val]
+  # Weights from the host's copy of each batch, before placing.
+  sets = [(h, [place.put_batch(b) for b in h.batches], [hev.counted(b) for b in h.batches])
+          for h in held_out]
+  tokenizer = None if task.is_vision else tokenizer_for_run(cfg)[0]
+  generations = out / 'generations.jsonl' if place.is_primary else None
   rows = []
   start = int(state.step)
+  lr_at = st.lr_schedule(cfg.lr, cfg.steps, cfg.warmup_steps)   # the rate each step's update used
+  keeper = (best_lib.Keeper(out, cfg.keep_best, cfg.early_stop, rundir.kept_rows(out, start))
+            if cfg.keep_best else None)
   bad_in_row = 0
   # Throughput unit: tokens (bytes) for GPT, images for vision.
   unit, per_step = ('img', cfg.batch_size) if task.is_vision else ('tok', cfg.batch_size * size)
@@ -335,6 +345,7 @@ def _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, m
       t1 = time.perf_counter()
       finite = math.isfinite(loss) and math.isfinite(grad_norm)
       row = {'step': step + 1, 'loss': round(loss, 5), 'grad_norm': round(grad_norm, 5),
+             'lr': float(f'{float(lr_at(step)):.6g}'),
              f'{"images" if task.is_vision else "tokens"}_per_s': round(per_step / (t1 - t0), 1),
              'policy': policy.spec, **({} if task.is_vision else {'tokens': (step + 1) * per_step})}
       bad_in_row = 0 if finite else bad_in_row + 1
@@ -345,9 +356,13 @@ def _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, m
         if spike:
           row['spike'] = True
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-          row.update(_evaluate(eval_step, state, val, counted))
+          row.update(_evaluate(cfg, task, eval_step, state, sets, tokenizer, step + 1,
+                               generations))
       metrics.write(row)
       rows.append(row)
+      if keeper is not None and cfg.keep_best in row:
+        with ckpt.deferred_interrupts(_interrupted_again):
+          keeper.after_eval(step + 1, row, state, meta, metrics)
       if bad_in_row > cfg.skip_nonfinite:
         metrics.sync()
         raise DivergedError(_diverged(step + 1, loss, grad_norm, cfg) + _kept(guard, out))
@@ -362,7 +377,8 @@ def _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, m
       bar.set_postfix(loss=f'{loss:.3f}', val=row.get('val_loss', '-'),
                       **{f'{unit}_s': f'{per_step / (t1 - t0):.0f}'})
       bar.update()
-      last = step + 1 == cfg.steps
+      stopped = keeper is not None and keeper.best.stop   # --early-stop: the last step
+      last = step + 1 == cfg.steps or stopped
       # A checkpoint is written only after a healthy step (training/run/loss_guard.py); other saves
       # wait for the next. The final state's held-out loss, computed with it, may vouch for it.
       due = last or mngr.should_save(step + 1)
@@ -381,7 +397,12 @@ def _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, m
           if record is not None:
             rundir.write_record(out, {**record, 'saved': step + 1})
       t0 = time.perf_counter()
+      if stopped:
+        log(keeper.best.stop_line(step + 1))
+        break
   mngr.wait_until_finished()
+  if keeper is not None:
+    keeper.close()
   problem = guard.end_problem() if rows else None
   if problem:
     raise DivergedError(problem)
@@ -445,11 +466,26 @@ def _data_batch(task: Task, val):
 
 
 def _data(cfg: TrainConfig, task: Task, size: int, log, warn, place: meshlib.Placement):
-  """(batch_at(step), validation batches, what the run records about its data); logs the data."""
+  """(batch_at(step), validation batches, what the run records about its data, the held-out
+  sets evaluated: :class:`training.data.held_out.HeldOutSet`); logs the data."""
   if task.is_vision:
+    from training.data.held_out import HeldOutSet
     from training.data.vision_source import open_vision_data
-    return open_vision_data(cfg, task, size, log, place.local_rows(cfg.batch_size))
+    batch_at, val, meta = open_vision_data(cfg, task, size, log, place.local_rows(cfg.batch_size))
+    return batch_at, val, meta, [HeldOutSet('val', val)]
   return open_text(cfg, size, log, place.local_rows(cfg.batch_size), warn)
+
+
+def _logged(cfg: TrainConfig, task: Task, held_out) -> list[str]:
+  """The held-out metrics the run logs (what ``--keep-best`` may name)."""
+  names = []
+  for held in held_out:
+    names.append(f'{held.name}_loss')
+    if task.is_vision:
+      names.append(f'{held.name}_accuracy')
+    if cfg.eval_generate and held.prompts:
+      names += [f'{held.name}_exact_match', f'{held.name}_token_accuracy']
+  return names
 
 
 def _pretrained_state(variables: dict, tx) -> st.TrainState:
@@ -460,25 +496,13 @@ def _pretrained_state(variables: dict, tx) -> st.TrainState:
                        opt_state=tx.init(params))
 
 
-def _counted(batch) -> float:
-  """How many targets a held-out batch's loss is a mean over: for packed windows the labels in
-  the loss mask and in their input's row (:meth:`models.tasks.Task._lm_loss`); 1 per image, or
-  per label of a byte window."""
-  if isinstance(batch, dict) and 'loss_mask' in batch:
-    segs = np.asarray(batch['segment_ids'])
-    targets = np.asarray(batch['loss_mask'])[:, 1:] > 0
-    return float((targets & (segs[:, 1:] == segs[:, :-1])).sum())
-  return 1.0
-
-
-def _evaluate(eval_step, state, val, counted) -> dict:
-  """Validation loss (and accuracy for vision) over the held-out batches: each batch's mean
-  weighted by its targets (``counted``), so packed text reports the mean over the completion
-  tokens of the held-out rows, however they fall into batches."""
-  results = [eval_step(state.params, state.model_state, b) for b in val]
-  w = np.asarray(counted, np.float64)
-  mean = lambda xs: float(np.sum(np.asarray([float(x) for x in xs]) * w) / max(w.sum(), 1.0))
-  out = {'val_loss': round(mean(l for l, _ in results), 5)}
-  for name in results[0][1]:
-    out[f'val_{name}'] = round(mean(m[name] for _, m in results), 5)
-  return out
+def _evaluate(cfg, task, eval_step, state, sets, tokenizer, step: int, generations) -> dict:
+  """Each held-out set's loss (``val_*``, ``eval_<name>_*``) and, with ``--eval-generate``, its
+  generation metrics (:mod:`training.step.held_out_eval`)."""
+  row = {}
+  for held, placed, weights in sets:
+    row.update(hev.evaluate_loss(eval_step, state, placed, weights, held.name))
+    if cfg.eval_generate and held.prompts:
+      row.update(hev.generate_metrics(task.arch, task.config, state.params, held, tokenizer,
+                                      step, generations))
+  return row

@@ -177,10 +177,12 @@ class _Stream:
     np.asarray(self.offsets, np.int64).tofile(self.folder / f'{self.name}.offsets')
 
 
-def _build(folder: Path, files: list[Path], jsonl: bool, tokenizer, source: str):
+def _build(folder: Path, files: list[Path], jsonl: bool, tokenizer, source: str,
+           held_out: bool = False):
   """Tokenizes every document into ``folder``: each split's tokens, mask and offsets, meta.json.
 
-  Document ``i`` goes to validation when ``i % 10 == 9`` (so a corpus of fewer
+  Document ``i`` goes to validation when ``i % 10 == 9``, or every document with
+  ``held_out`` (an ``--eval-data`` file; :func:`load_held_out`) (so a corpus of fewer
   than 10 documents has no validation stream; :func:`load_tokens` then splits
   the training stream by position). :mod:`training.data.token_cache` gives the
   folder, adds the files' digests and renames it into place.
@@ -195,7 +197,8 @@ def _build(folder: Path, files: list[Path], jsonl: bool, tokenizer, source: str)
     for stream in texts:
       for chunk in _chunks(stream, CHUNK_DOCS):
         for tokens, mask in _encode(tokenizer, chunk):
-          streams['val' if docs % VAL_EVERY == VAL_EVERY - 1 else 'train'].add(tokens, mask)
+          val = held_out or docs % VAL_EVERY == VAL_EVERY - 1
+          streams['val' if val else 'train'].add(tokens, mask)
           docs += 1
   for s in streams.values():
     s.close()

@@ -29,7 +29,7 @@ MAX_SEED = 2**32 - 1    # what PRNGKey keeps without jax_enable_x64
 # Bytes per row of a language-model batch: tokens, segment ids, positions and loss mask,
 # int32 each, per token of a window of seq_len + 1.
 LM_BYTES_PER_TOKEN = 16
-LM_ONLY = ('seq_len', 'tokenizer')
+LM_ONLY = ('seq_len', 'tokenizer', 'eval_data', 'eval_generate')
 VISION_ONLY = ('image_size', 'data_workers')
 
 
@@ -62,8 +62,10 @@ def check_numbers(cfg):
   for name in ('steps', 'batch_size', 'seq_len', 'eval_every', 'eval_batches', 'save_every',
                'spike_patience'):
     _check_int(name, getattr(cfg, name), 1, MAX_COUNT)
-  for name in ('warmup_steps', 'skip_nonfinite'):
+  for name in ('warmup_steps', 'skip_nonfinite', 'eval_generate'):
     _check_int(name, getattr(cfg, name), 0, MAX_COUNT)
+  if cfg.early_stop is not None:
+    _check_int('early_stop', cfg.early_stop, 1, MAX_COUNT)
   if cfg.image_size is not None:   # 0 used to mean "the config's" and trained at 32
     _check_int('image_size', cfg.image_size, 1, MAX_COUNT)
   check_seed(cfg.seed)

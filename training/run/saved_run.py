@@ -1,6 +1,8 @@
 """Reading a finished (or stopped) run back: its record, model config and latest weights.
 
-What ``training.export`` and ``training.sample`` start from. Nothing in the
+What ``training.export`` and ``training.sample`` start from: the best step of a
+run that kept one (``--keep-best``, :mod:`training.run.best`), else the latest;
+``which`` picks either. Nothing in the
 run folder is changed: a damaged newest checkpoint is passed over with a
 warning (the trainer's ``--resume`` is what sets such checkpoints aside).
 """
@@ -39,17 +41,39 @@ class SavedRun:
   meta: dict
   task: Task
   variables: dict[str, Any]
+  which: str = 'last'
+
+  @property
+  def described(self) -> str:
+    """``step N`` and, for a best step, by which metric and what the last step is."""
+    best = self.meta.get('best') or {}
+    if self.which != 'best' or not best:
+      return f'step {self.step}'
+    last = ckpt.steps(self.path)
+    then = f'; the last is step {last[0]}' if last and last[0] != self.step else ''
+    return (f"step {self.step} (the best by {best.get('metric')} = {best.get('value'):g}, "
+            f'--keep-best{then})')
 
 
-def load_run(run_dir, warn=lambda _: None) -> SavedRun:
-  """The newest intact checkpoint of ``run_dir``.
+def load_run(run_dir, warn=lambda _: None, which: str | None = None) -> SavedRun:
+  """The newest intact checkpoint of ``run_dir``, or its best step (module docstring).
+
+  Args:
+    which: 'best', 'last', or None: 'best' when the run kept one.
 
   Raises:
-    RunReadError: one line: no such folder, no checkpoint, or none intact.
+    RunReadError: one line: no such folder, no checkpoint, none intact, or no best step kept.
   """
-  path = Path(run_dir)
-  if not path.is_dir():
-    raise RunReadError(f"no run folder at '{path}'; give the --out folder of a train.py run")
+  from training.run.best import best_dir
+  run_path = Path(run_dir)
+  if not run_path.is_dir():
+    raise RunReadError(f"no run folder at '{run_path}'; give the --out folder of a train.py run")
+  if which is None:
+    which = 'best' if ckpt.steps(best_dir(run_path)) else 'last'
+  if which == 'best' and not ckpt.steps(best_dir(run_path)):
+    raise RunReadError(f"'{run_path}' kept no best step (no {best_dir(run_path) / 'checkpoints'}):"
+                       " train with --keep-best METRIC, or pass --checkpoint last")
+  path = best_dir(run_path) if which == 'best' else run_path
   if not ckpt.steps(path):
     raise RunReadError(f"'{path}' has no checkpoint (no {path / 'checkpoints'} with a saved "
                        'step); train first, or give the --out folder of a run that saved one')
@@ -84,5 +108,5 @@ def load_run(run_dir, warn=lambda _: None) -> SavedRun:
   for line in passed_over:
     warn(line)
   host = jax.device_get(state)
-  return SavedRun(path, int(host.step), meta, task,
-                  {'params': host.params, **dict(host.model_state)})
+  return SavedRun(run_path, int(host.step), meta, task,
+                  {'params': host.params, **dict(host.model_state)}, which)

@@ -61,6 +61,10 @@ class TrainConfig:
   spike_patience: int = GuardConfig.patience
   data_workers: int | None = None  # image folders: Grain worker processes (None: by core count)
   tokenizer: str | None = None  # None: --init-from's tokenizer, else bytes (training/data/tokenizer.py)
+  eval_data: tuple[str, ...] = ()  # --eval-data files evaluated beside --data's held-out split
+  eval_generate: int = 0  # --eval-generate N: greedy generation on N held-out prompts per set
+  keep_best: str | None = None  # --keep-best METRIC: the best held-out step kept in <out>/best
+  early_stop: int | None = None  # --early-stop P: stop after P evaluations without a better METRIC
 
   @property
   def out_dir(self) -> Path:

@@ -25,11 +25,17 @@ class TrainState(struct.PyTreeNode):
   opt_state: Any
 
 
+def lr_schedule(lr: float, steps: int, warmup_steps: int) -> optax.Schedule:
+  """Linear warmup from 0 to ``lr``, then cosine decay to 10% of it at ``steps``; the update of
+  step ``s`` (0-based: the row of step ``s + 1``) uses ``schedule(s)``."""
+  return optax.warmup_cosine_decay_schedule(
+      0.0, lr, max(1, warmup_steps), max(steps, warmup_steps + 1), end_value=lr * 0.1)
+
+
 def make_optimizer(lr: float, steps: int, warmup_steps: int, weight_decay: float,
                    grad_clip: float) -> optax.GradientTransformation:
-  """AdamW with linear warmup, cosine decay to 10% of ``lr``, and global-norm clipping."""
-  schedule = optax.warmup_cosine_decay_schedule(
-      0.0, lr, max(1, warmup_steps), max(steps, warmup_steps + 1), end_value=lr * 0.1)
+  """AdamW with :func:`lr_schedule`, and global-norm clipping."""
+  schedule = lr_schedule(lr, steps, warmup_steps)
   return optax.chain(clip_by_global_norm(grad_clip),
                      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay))
 
