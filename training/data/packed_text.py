@@ -1,8 +1,9 @@
 """Tokenized documents, cached on disk and packed into training windows with segment ids.
 
 The data a person has: text files (one document each) or ``.jsonl`` files (a
-file, or a folder of them) whose rows are ``{"text": ...}`` or ``{"prompt":
-..., "completion": ...}``. A prompt/completion row is one document whose
+file, or a folder of them) whose rows are ``{"text": ...}``, ``{"prompt":
+..., "completion": ...}`` or chat rows ``{"messages": [...]}`` (rendered with the
+tokenizer's chat template, trained on the assistant turns: :mod:`training.data.chat`). A prompt/completion row is one document whose
 prompt tokens are masked out of the loss (``loss_mask`` 0): the model learns
 to continue a prompt, not to write prompts. Each document ends with the
 tokenizer's end-of-text token (byte-level text has none; its documents are
@@ -45,6 +46,7 @@ import numpy as np
 from tqdm import tqdm
 
 from training.data import DataError
+from training.data import chat as chat_rows
 from training.data import row_packing
 from training.data import token_cache
 from training.data.byte_text import VAL_EVERY, stdlib_files
@@ -93,8 +95,9 @@ def _files(path: str | None) -> tuple[list[Path], bool, str]:
   return (jsonl, True, str(p)) if jsonl else (files, False, str(p))
 
 
-def _rows(file: Path, bar) -> Iterator[tuple[str, str | None]]:
-  """(text, None) or (prompt, completion) per row of a .jsonl file."""
+def _rows(file: Path, bar, chat=None) -> Iterator[tuple]:
+  """(text, None), (prompt, completion) or (None, chat segments) per row of a .jsonl file;
+  ``chat``: the tokenizer's chat renderer (:mod:`training.data.chat`), None without a template."""
   with open(file, 'rb') as f:
     for number, line in enumerate(f, 1):
       bar.update(len(line))
@@ -110,11 +113,23 @@ def _rows(file: Path, bar) -> Iterator[tuple[str, str | None]]:
       elif (isinstance(row, dict) and isinstance(row.get('prompt'), str)
             and isinstance(row.get('completion'), str)):
         yield row['prompt'], row['completion']
+      elif isinstance(row, dict) and 'messages' in row:
+        problem = chat_rows.check_messages(row)
+        if problem is None and chat is None:
+          problem = ("a chat row needs the tokenizer's chat template, and its folder's "
+                     'tokenizer_config.json has no chat_template')
+        try:
+          segments = chat(row['messages']) if problem is None else None
+        except DataError as e:
+          problem = str(e)
+        if problem:
+          raise DataError(f'--data {file} line {number}: {problem}')
+        yield None, segments
       else:
         got = (f"keys {', '.join(sorted(row))}" if isinstance(row, dict) and row
                else f'a JSON {type(row).__name__}')
-        raise DataError(f'--data {file} line {number}: a row needs a string "text", or string '
-                        f'"prompt" and "completion"; got {got}')
+        raise DataError(f'--data {file} line {number}: a row needs a string "text", string '
+                        f'"prompt" and "completion", or "messages"; got {got}')
 
 
 def _text_docs(files: list[Path], bar) -> Iterator[tuple[str, str | None]]:
@@ -142,6 +157,20 @@ def _chunks(docs: Iterator, size: int) -> Iterator[list]:
 def _encode(tokenizer, chunk: list[tuple[str, str | None]]):
   """Token and loss-mask arrays of each document of ``chunk``, end-of-text appended."""
   eot = [] if tokenizer.eot_id is None else [tokenizer.eot_id]
+  chats = [i for i, (p, _) in enumerate(chunk) if p is None]
+  if chats:   # a chat row: its template's pieces, each tokenized alone; the template ends it
+    pieces = [t for i in chats for t, _ in chunk[i][1]]
+    ids = iter(tokenizer.encode_batch(pieces, special=False))
+    done = {}
+    for i in chats:
+      got = [(next(ids), trained) for _, trained in chunk[i][1]]
+      done[i] = (np.concatenate([t for t, _ in got]).astype(TOKEN_DTYPE),
+                 np.concatenate([np.full(len(t), int(m), np.uint8) for t, m in got]))
+    rest = [(i, item) for i, item in enumerate(chunk) if item[0] is not None]
+    encoded = dict(zip([i for i, _ in rest], _encode(tokenizer, [item for _, item in rest])))
+    for i in range(len(chunk)):
+      yield done[i] if i in done else encoded[i]
+    return
   heads = tokenizer.encode_batch([p for p, _ in chunk])
   tails_at = [i for i, (_, c) in enumerate(chunk) if c is not None]
   tails = dict(zip(tails_at, tokenizer.encode_batch([chunk[i][1] for i in tails_at],
@@ -193,7 +222,8 @@ def _build(folder: Path, files: list[Path], jsonl: bool, tokenizer, source: str,
   # leave=False: the bar is cleared when done (or failed); the data line says what happened.
   with tqdm(total=total, unit='B', unit_scale=True, desc=f'tokenizing {source}',
             file=sys.stderr, mininterval=0.5, leave=False) as bar:
-    texts = (_rows(f, bar) for f in files) if jsonl else iter([_text_docs(files, bar)])
+    chat = chat_rows.renderer(tokenizer) if jsonl else None
+    texts = (_rows(f, bar, chat) for f in files) if jsonl else iter([_text_docs(files, bar)])
     for stream in texts:
       for chunk in _chunks(stream, CHUNK_DOCS):
         for tokens, mask in _encode(tokenizer, chunk):
