@@ -72,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help='compute dtype: float32 or bfloat16 (parameters and optimizer state stay '
                       "float32; docs/precision.md) (default: the config's, or the resumed run's)")
   p.add_argument('--data', default=None, metavar='PATH',
-                 help="gpt/llama: text file, .jsonl file (rows {\"text\"} or {\"prompt\", "
-                      "\"completion\"}: loss on the completion only) or a folder of either "
+                 help="gpt/llama: text file, .jsonl file (rows {\"text\"}, {\"prompt\", "
+                      "\"completion\"}: loss on the completion only, or {\"messages\"}: the "
+                      "tokenizer's chat template, loss on assistant turns) or a folder of either "
                       "(default: this Python's stdlib source); vit/resnet: an image folder, "
                       "DIR/<class>/*.png|jpg|jpeg or DIR/train/<class>/... and DIR/val/<class>/... "
                       "(default: procedural shapes)")
