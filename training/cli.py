@@ -46,6 +46,16 @@ _FLAGS = {  # flag -> (type, help); defaults come from the named config, then Tr
 }
 
 
+def crop_scale(text: str) -> tuple[float, float]:
+  """``MIN,MAX``: two numbers (their range is checked with the other settings)."""
+  parts = text.split(',')
+  try:
+    low, high = (float(x) for x in parts)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f'{text!r} is not MIN,MAX (two numbers, e.g. 0.5,1)') from None
+  return low, high
+
+
 def build_parser() -> argparse.ArgumentParser:
   p = OneLineParser(
       prog='train.py',
@@ -95,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--early-stop', type=int, default=None, metavar='PATIENCE',
                  help='with --keep-best: stop after PATIENCE evaluations in a row without a '
                       'better value, saving the last state')
+  p.add_argument('--augment', default=None, choices=('none', 'flip', 'crop', 'crop+flip'),
+                 help='vit/resnet image folders: the training images\' augmentation, a random '
+                      'resized crop, a horizontal flip (wrong where orientation is the label), '
+                      'both or none (default: crop+flip)')
+  p.add_argument('--crop-scale', default=None, type=crop_scale, metavar='MIN,MAX',
+                 help="vit/resnet image folders: the random crop's share of the image area "
+                      '(default: 0.08,1, torchvision\'s)')
   p.add_argument('--tokenizer', default=None, metavar='PATH',
                  help="gpt/llama: a tokenizer.json or a folder holding one, or 'bytes' "
                       "(default: the --init-from folder's tokenizer, else bytes)")
@@ -115,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                       'Llama, ViT, ResNet; safetensors); without --config, the shipped config of '
                       'its shape, else one built from its config.json (--config hf:PATH)')
   meshlib.add_flags(p)
+  p.add_argument('--tensorboard', action='store_true', default=None,
+                 help='also write the metric rows (learning rate included) as TensorBoard scalars '
+                      'to OUT/tensorboard (needs tensorboardX: pip install -e ".[tensorboard]")')
   p.add_argument('--no-memory-report', dest='memory_report', action='store_false',
                  help='skip compiling the no-remat step for the start-up memory line')
   return p
@@ -162,7 +182,7 @@ def main(argv=None) -> int:
   except DivergedError as e:  # its own code: the settings were valid, the run was not
     print(f'train.py: error: {e}', file=sys.stderr)
     return 3
-  except (PolicyError, DataError, RunError, ValueError) as e:
+  except (PolicyError, DataError, RunError, ValueError) as e:   # TensorBoardError among them
     print(f'train.py: error: {e}', file=sys.stderr)
     return 2
   except KeyboardInterrupt:
