@@ -24,6 +24,7 @@ from training.run import best as best_lib
 from training.run import checkpoints as ckpt
 from training.run import resume_check
 from training.run import rundir
+from training.run import tensorboard
 from training.run import tokenizer_copy
 from training.run.loss_guard import GuardConfig, LossGuard
 from training.run.settings import (  # noqa: F401  (the run's settings, re-exported for callers)
@@ -100,6 +101,8 @@ def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
       log(f'--init-from: {note}')
   if cfg.config.startswith(HF_CONFIG_PREFIX):
     log(f'model: no shipped config has the shape of {cfg.init_from}; built from its config.json')
+  if cfg.tensorboard:
+    tensorboard.check_available()
   data = _data(cfg, task, size, log, warn, place)
   best_lib.check_metric(cfg.keep_best, cfg.early_stop, _logged(cfg, task, data[3]))
   auto_choice = None
@@ -330,6 +333,7 @@ def _loop(cfg, task, size, policy, step_fn, state, batch_at, held_out, model, me
   rows = []
   start = int(state.step)
   lr_at = st.lr_schedule(cfg.lr, cfg.steps, cfg.warmup_steps)   # the rate each step's update used
+  board = tensorboard.Writer(out) if cfg.tensorboard and place.is_primary else None
   keeper = (best_lib.Keeper(out, cfg.keep_best, cfg.early_stop, rundir.kept_rows(out, start))
             if cfg.keep_best else None)
   bad_in_row = 0
@@ -359,6 +363,8 @@ def _loop(cfg, task, size, policy, step_fn, state, batch_at, held_out, model, me
           row.update(_evaluate(cfg, task, eval_step, state, sets, tokenizer, step + 1,
                                generations))
       metrics.write(row)
+      if board is not None:
+        board.write(row)
       rows.append(row)
       if keeper is not None and cfg.keep_best in row:
         with ckpt.deferred_interrupts(_interrupted_again):
@@ -403,6 +409,8 @@ def _loop(cfg, task, size, policy, step_fn, state, batch_at, held_out, model, me
   mngr.wait_until_finished()
   if keeper is not None:
     keeper.close()
+  if board is not None:
+    board.close()
   problem = guard.end_problem() if rows else None
   if problem:
     raise DivergedError(problem)
