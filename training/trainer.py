@@ -207,7 +207,11 @@ def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
     warn(f'no complete checkpoint in {out} (the run ended before its first save); starting '
          "from step 0 with the run's recorded settings")
   batch_at, val, data_meta, held_out = data
-  log(f'model: {named.name} ({named.description}) | dtype: {named.model.dtype} | policy: '
+  # A config's description speaks of its default data (vit-tiny's procedural shapes): a run on
+  # its own --data names the config alone; the data line says what it trains on.
+  about = ('' if cfg.data and not cfg.config.startswith(HF_CONFIG_PREFIX)
+           else f' ({named.description})')
+  log(f'model: {named.name}{about} | dtype: {named.model.dtype} | policy: '
       f'{policy.spec}: {policy.description}')
 
   model = task.model(policy)
