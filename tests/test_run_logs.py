@@ -36,7 +36,10 @@ def _rows(run):
 def test_each_row_has_the_rate_of_its_update(run):
   rows = _rows(run)
   schedule = lr_schedule(1e-2, 6, 2)
-  assert [r['lr'] for r in rows] == [float(f'{float(schedule(s)):.6g}') for s in range(6)]
+  # The rows round to 6 significant digits (5e-6 relative at most); the table's jitted values may
+  # differ from a call per step in float32's last bit (1e-7).
+  assert [r['lr'] for r in rows] == [pytest.approx(float(schedule(s)), rel=1e-5, abs=1e-12)
+                                     for s in range(6)]
   assert rows[0]['lr'] == 0.0 and rows[2]['lr'] == 1e-2   # warmup from 0, then the peak
 
 

@@ -336,7 +336,7 @@ def _loop(cfg, task, size, policy, step_fn, state, batch_at, held_out, model, me
   generations = out / 'generations.jsonl' if place.is_primary else None
   rows = []
   start = int(state.step)
-  lr_at = st.lr_schedule(cfg.lr, cfg.steps, cfg.warmup_steps)   # the rate each step's update used
+  lr_at = st.LrTable(st.lr_schedule(cfg.lr, cfg.steps, cfg.warmup_steps))   # each update's rate
   board = tensorboard.Writer(out) if cfg.tensorboard and place.is_primary else None
   keeper = (best_lib.Keeper(out, cfg.keep_best, cfg.early_stop, rundir.kept_rows(out, start))
             if cfg.keep_best else None)
@@ -353,7 +353,7 @@ def _loop(cfg, task, size, policy, step_fn, state, batch_at, held_out, model, me
       t1 = time.perf_counter()
       finite = math.isfinite(loss) and math.isfinite(grad_norm)
       row = {'step': step + 1, 'loss': round(loss, 5), 'grad_norm': round(grad_norm, 5),
-             'lr': float(f'{float(lr_at(step)):.6g}'),
+             'lr': float(f'{lr_at(step):.6g}'),
              f'{"images" if task.is_vision else "tokens"}_per_s': round(per_step / (t1 - t0), 1),
              'policy': policy.spec, **({} if task.is_vision else {'tokens': (step + 1) * per_step})}
       bad_in_row = 0 if finite else bad_in_row + 1
