@@ -23,8 +23,8 @@ from training.step.held_out_eval import score
 
 
 @pytest.mark.slow
-def test_held_out_file_metrics_agree_with_transformers(checkpoint, tmp_path, monkeypatch,  # noqa: F811
-                                                       capsys):
+def test_held_out_file_metrics_agree_with_transformers(
+    checkpoint, tmp_path, monkeypatch, capsys):  # noqa: F811
   import torch
   import transformers
   monkeypatch.setenv('REMAT_CACHE', str(tmp_path / 'cache'))
@@ -82,8 +82,8 @@ def test_score_counts_exact_rows_and_tokens_at_their_position():
     (['--eval-generate', '-1'], '--eval-generate must be >= 0'),
     (['--eval-data', 'bad.jsonl'], '--eval-data bad.jsonl line 1'),
 ])
-def test_bad_eval_flags_are_one_line_and_write_nothing(checkpoint, tmp_path, monkeypatch,  # noqa: F811
-                                                       capsys, extra, message):
+def test_bad_eval_flags_are_one_line_and_write_nothing(
+    checkpoint, tmp_path, monkeypatch, capsys, extra, message):  # noqa: F811
   monkeypatch.setenv('REMAT_CACHE', str(tmp_path / 'cache'))
   monkeypatch.chdir(tmp_path)
   (tmp_path / 'bad.jsonl').write_text('{"question": 1}\n')

@@ -85,11 +85,13 @@ def test_a_metric_the_run_does_not_log_is_one_line():
     check_metric(None, 3, ['val_loss'])
 
 
-def test_keep_best_refusals_write_nothing(checkpoint, tmp_path, monkeypatch, capsys):  # noqa: F811
+def test_keep_best_refusals_write_nothing(
+    checkpoint, tmp_path, monkeypatch, capsys):  # noqa: F811
   monkeypatch.setenv('REMAT_CACHE', str(tmp_path / 'cache'))
   good = write_jsonl(tmp_path / 'good.jsonl', rows(20))
   base = ['--model', 'llama', '--init-from', str(checkpoint), '--data', str(good), '--steps', '2',
-          '--batch-size', '2', '--seq-len', '32', '--no-memory-report', '--out', str(tmp_path / 'o')]
+          '--batch-size', '2', '--seq-len', '32', '--no-memory-report',
+          '--out', str(tmp_path / 'o')]
   for extra, message in ((['--keep-best', 'val_accuracy'], 'it logs val_loss'),
                          (['--keep-best', 'val_loss', '--early-stop', '0'],
                           '--early-stop must be >= 1')):
@@ -97,3 +99,17 @@ def test_keep_best_refusals_write_nothing(checkpoint, tmp_path, monkeypatch, cap
     err = capsys.readouterr().err
     assert message in err and _one_error(err, 'train.py'), err
     assert not (tmp_path / 'o').exists()
+
+
+def test_restart_sets_the_best_step_and_the_logs_aside(tmp_path):
+  from training.run import rundir, tensorboard
+  from training.run.best import BEST_NAME
+  out = tmp_path / 'run'
+  for name in (f'{BEST_NAME}/checkpoints/8/x', 'generations.jsonl', f'{tensorboard.TB_NAME}/ev',
+               'metrics.jsonl'):
+    (out / name).parent.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text('x')
+  dest = rundir.set_previous_aside(out)
+  assert sorted(p.name for p in dest.iterdir()) == sorted(
+      [BEST_NAME, 'generations.jsonl', tensorboard.TB_NAME, 'metrics.jsonl'])
+  assert sorted(p.name for p in out.iterdir()) == [rundir.PREVIOUS_NAME]

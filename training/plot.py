@@ -1,4 +1,4 @@
-"""``python -m training.plot RUN_DIR``: a run's losses, held-out metrics and learning rate, as a PNG.
+"""``python -m training.plot RUN_DIR``: a run's losses, held-out metrics and learning rate as a PNG.
 
 Reads ``RUN_DIR/metrics.jsonl`` and draws, against the step, up to three panels:
 the training loss with every held-out ``*_loss``; the held-out metrics that are

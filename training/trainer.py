@@ -104,7 +104,8 @@ def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
   if cfg.tensorboard:
     tensorboard.check_available()
   data = _data(cfg, task, size, log, warn, place)
-  best_lib.check_metric(cfg.keep_best, cfg.early_stop, _logged(cfg, task, data[3]))
+  best_lib.check_metric(cfg.keep_best, cfg.early_stop,
+                        hev.logged_metrics(cfg.eval_generate, task.is_vision, data[3]))
   auto_choice = None
   if policy is None:
     from training.step.autoremat import choose_for_run
@@ -364,8 +365,8 @@ def _loop(cfg, task, size, policy, step_fn, state, batch_at, held_out, model, me
         if spike:
           row['spike'] = True
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-          row.update(_evaluate(cfg, task, eval_step, state, sets, tokenizer, step + 1,
-                               generations))
+          row.update(hev.evaluate_sets(cfg.eval_generate, task, eval_step, state, sets,
+                                       tokenizer, step + 1, generations))
       metrics.write(row)
       if board is not None:
         board.write(row)
@@ -488,33 +489,9 @@ def _data(cfg: TrainConfig, task: Task, size: int, log, warn, place: meshlib.Pla
   return open_text(cfg, size, log, place.local_rows(cfg.batch_size), warn)
 
 
-def _logged(cfg: TrainConfig, task: Task, held_out) -> list[str]:
-  """The held-out metrics the run logs (what ``--keep-best`` may name)."""
-  names = []
-  for held in held_out:
-    names.append(f'{held.name}_loss')
-    if task.is_vision:
-      names.append(f'{held.name}_accuracy')
-    if cfg.eval_generate and held.prompts:
-      names += [f'{held.name}_exact_match', f'{held.name}_token_accuracy']
-  return names
-
-
 def _pretrained_state(variables: dict, tx) -> st.TrainState:
   params = jax.tree_util.tree_map(jnp.asarray, variables['params'])
   model_state = {k: jax.tree_util.tree_map(jnp.asarray, v) for k, v in variables.items()
                  if k != 'params'}
   return st.TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
                        opt_state=tx.init(params))
-
-
-def _evaluate(cfg, task, eval_step, state, sets, tokenizer, step: int, generations) -> dict:
-  """Each held-out set's loss (``val_*``, ``eval_<name>_*``) and, with ``--eval-generate``, its
-  generation metrics (:mod:`training.step.held_out_eval`)."""
-  row = {}
-  for held, placed, weights in sets:
-    row.update(hev.evaluate_loss(eval_step, state, placed, weights, held.name))
-    if cfg.eval_generate and held.prompts:
-      row.update(hev.generate_metrics(task.arch, task.config, state.params, held, tokenizer,
-                                      step, generations))
-  return row

@@ -1,5 +1,5 @@
-"""Chat rows: ``{"messages": [{"role": ..., "content": ...}, ...]}``, rendered with the tokenizer's chat
-template, trained on the assistant turns only.
+"""Chat rows ``{"messages": [{"role": ..., "content": ...}, ...]}``: rendered with the tokenizer's
+chat template, trained on the assistant turns only.
 
 The template is the ``chat_template`` of the ``tokenizer_config.json`` beside the
 run's ``tokenizer.json`` (a string, or a list of named templates of which

@@ -61,7 +61,7 @@ class TrainConfig:
   spike_patience: int = GuardConfig.patience
   data_workers: int | None = None  # image folders: Grain worker processes (None: by core count)
   augment: str = 'crop+flip'  # image folders: none, flip, crop or crop+flip
-  crop_scale: tuple[float, float] | None = None  # image folders: the crop's area range (None: 0.08-1)
+  crop_scale: tuple[float, float] | None = None  # image folders: crop area range (None: 0.08-1)
   tensorboard: bool = False  # --tensorboard: scalars in <out>/tensorboard (tensorboardX)
   tokenizer: str | None = None  # None: --init-from's tokenizer, else bytes (training/data/tokenizer.py)
   eval_data: tuple[str, ...] = ()  # --eval-data files evaluated beside --data's held-out split

@@ -88,3 +88,28 @@ def generate_metrics(arch: str, config, params, held: HeldOutSet, tokenizer, ste
                             'exact': same}) + '\n')
   return {f'{held.name}_exact_match': round(exact, 5),
           f'{held.name}_token_accuracy': round(accuracy, 5)}
+
+
+def evaluate_sets(eval_generate: int, task, eval_step, state, sets, tokenizer, step: int,
+                  generations: Path | None) -> dict:
+  """Each held-out set's loss (``val_*``, ``eval_<name>_*``) and, with ``--eval-generate``, its
+  generation metrics. ``sets``: (set, its placed batches, their weights: :func:`counted`)."""
+  row = {}
+  for held, placed, weights in sets:
+    row.update(evaluate_loss(eval_step, state, placed, weights, held.name))
+    if eval_generate and held.prompts:
+      row.update(generate_metrics(task.arch, task.config, state.params, held, tokenizer, step,
+                                  generations))
+  return row
+
+
+def logged_metrics(eval_generate: int, vision: bool, held_out) -> list[str]:
+  """The held-out metrics a run logs (what ``--keep-best`` may name)."""
+  names = []
+  for held in held_out:
+    names.append(f'{held.name}_loss')
+    if vision:
+      names.append(f'{held.name}_accuracy')
+    if eval_generate and held.prompts:
+      names += [f'{held.name}_exact_match', f'{held.name}_token_accuracy']
+  return names
