@@ -20,12 +20,14 @@ import jax
 from bench import zoo
 from bench.device_peak import measured_device_peak
 from bench.sweep import depth_sweep, resolution_sweep
-from remat import PolicyError, measuring, table
+from remat import PolicyError, get_policy, measuring, table
 from remat.memory import format_bytes
 from remat.policies import registered_specs
 from remat.sweep import SWEEP_POLICIES, format_sweep, plot_sweep
+from remat.layout import LAYOUTS, check_layout, per_block_reference, unrolled_reference
+from remat.table import PER_BLOCK
 from remat.targets import TARGETS, Target, TargetError, get_target, prefer_cpu_without_gpu
-from training.arguments import OneLineParser
+from training.arguments import OneLineParser, add_lora_flags
 
 PROG = 'bench.report'
 MODELS = tuple(zoo.FAMILIES)
@@ -59,6 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
                  help="'all', or specs separated by ',' (by ';' when a spec holds ','); "
                       'default: a set chosen per model family')
   p.add_argument('--target', default='cpu', help=f"compile for: {', '.join(TARGETS)}")
+  p.add_argument('--layout', default='auto',
+                 help=f"how the layer stack becomes a program: {', '.join(LAYOUTS)} (auto: per "
+                      'target and policy; the parameters are the same under every layout)')
+  p.add_argument('--reference', default=None, choices=('unrolled',),
+                 help="with the policy table: a first row, the model with its layers in a "
+                      'Python loop and no checkpoint (remat.layout.unrolled_reference); every '
+                      'ratio is to it')
+  p.add_argument('--per-block', default='', metavar='RULE,...',
+                 help='with the policy table: a row per rule (full,dots), the model with each '
+                      'layer in jax.checkpoint(policy=RULE) in a Python loop, the one-line '
+                      'nn.remat habit (remat.layout.per_block_reference)')
   p.add_argument('--time', action='store_true',
                  help='also run each step (median of 5 after 2 warm-up; local backend only)')
   p.add_argument('--device-peak', action='store_true',
@@ -84,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="instead of the table: what is live when in XLA's plan of the train step "
                       'under each policy (one policy: FILE.json/.png/.svg; several: DIR with one '
                       'set per policy and overlay.png); per device with --mesh; docs/measuring.md')
+  add_lora_flags(p)
   p.add_argument('--sweep', metavar='depth=N,N,...|resolution=S,S,...',
                  help=f"depth (or, for vit/resnet, image-side) sweep of {', '.join(SWEEP_POLICIES)} "
                       'instead of the policy table')
@@ -93,10 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _check(args):
   """Resolves (named config, family, size) from --model/--config, --dtype and the shape flags."""
   from configs import load_config, with_dtype
+  from training.run.settings import lora_spec, with_lora
   if args.model is not None and args.model not in MODELS:
     raise ValueError(f"unknown model '{args.model}'; valid: {', '.join(MODELS)}")
   named = with_dtype(load_config(args.config or zoo.FAMILIES[args.model or 'gpt'].default_config),
                      args.dtype)
+  if args.lora is not None and args.lora < 1:
+    raise ValueError(f'--lora must be >= 1 (the rank of the adapters), got {args.lora}')
+  named = with_lora(named, lora_spec(args, named.arch))   # one-line errors, as train.py's
   if args.model is not None and named.arch != args.model:
     raise ValueError(f'--model {args.model} does not match config {named.name} (a {named.arch} model)')
   fam = zoo.FAMILIES[named.arch]
@@ -110,6 +128,7 @@ def _check(args):
                       ('image-size' if fam.vision else 'seq-len', size)):
     if value < 1:
       raise ValueError(f'--{name} must be >= 1, got {value}')
+  check_layout(args.layout)
   zoo.case(named.model, args.batch_size, size)  # one-line error if the size does not fit
   return named, fam, size
 
@@ -146,14 +165,27 @@ def _policy_report(args, named, fam, size, target, header) -> dict:
   if args.device_peak and jax.default_backend() != 'gpu':
     raise ValueError(f'--device-peak needs an attached GPU; the {jax.default_backend()} '
                      'backend keeps no peak memory statistics')
-  case = zoo.case(named.model, args.batch_size, size)
+  case = zoo.case(named.model, args.batch_size, size, args.layout)
   tags = sorted(case.tags())
   policies = measuring.resolve_policies(parse_specs(args.policies, fam.policies, tags), set(tags),
                                         case.num_layers)  # one-line errors before any compile
+  blocks = [get_policy(r, tags=tags) for r in args.per_block.split(',') if r.strip()]
+  if any(p.segmented or p.mixed or not p.remat_layers for p in blocks):
+    raise PolicyError(f"--per-block takes per-layer rules that checkpoint (full,dots), got "
+                      f"'{args.per_block}'")
   fused = args.fused_update
+  if fused and (blocks or args.reference):
+    raise ValueError('--fused-update measures the policy table of its own step: drop --reference '
+                     'and --per-block')
   example_args = case.fused_step_args() if fused else case.step_args()
   results, peaks = {}, {}
   from tqdm import tqdm
+  yardsticks = ([('reference', unrolled_reference())] if args.reference else []) + [
+      (PER_BLOCK + p.spec, per_block_reference(p)) for p in blocks]
+  for label, context in tqdm(yardsticks, desc='yardsticks', unit='program', file=sys.stderr):
+    with context:   # traced, compiled and its residuals read inside the yardstick
+      results[label] = measuring.measure_policy(case.train_step(get_policy('none')),
+                                                *example_args, spec=label, target=target)
   for policy in tqdm(policies, desc='compiling', unit='policy', file=sys.stderr):
     step = case.fused_train_step(policy) if fused else case.train_step(policy)
     real = (case.real_fused_step_args() if fused else case.real_step_args()) if args.time else None
@@ -162,7 +194,7 @@ def _policy_report(args, named, fam, size, target, header) -> dict:
     if args.device_peak:
       peaks[policy.spec] = measured_device_peak(named.name, policy.spec, args.batch_size,
                                                 size, dtype=named.model.dtype)['peak_bytes']
-  rows = measuring.Report(results, target).rows()
+  rows = measuring.Report(results, target, 'reference' if args.reference else 'none').rows()
   for r in rows:
     r['measured_device_peak'] = peaks.get(r['policy'])
   print(table.format_table(rows, header, args.time))
@@ -182,7 +214,7 @@ def _mesh_report(args, named, fam, size, target, header) -> dict:
     raise ValueError('--mesh plans the policy table only: drop --sweep, --fit, --time, '
                      '--device-peak and --plot')
   place = _placement(args, target)
-  case = zoo.case(named.model, args.batch_size, size)
+  case = zoo.case(named.model, args.batch_size, size, args.layout)
   tags = sorted(case.tags())
   policies = measuring.resolve_policies(parse_specs(args.policies, fam.policies, tags), set(tags),
                                         case.num_layers)
@@ -222,7 +254,7 @@ def _explain_report(args, named, fam, size, target, header) -> dict:
   if args.sweep or args.fit or args.time or args.device_peak or args.plot:
     raise ValueError('--explain explains the train step at one shape: drop --sweep, --fit, '
                      '--time, --device-peak and --plot')
-  case = zoo.case(named.model, args.batch_size, size)
+  case = zoo.case(named.model, args.batch_size, size, args.layout)
   tags = sorted(case.tags())
   specs = parse_specs(args.policies, fam.policies, tags)
   text = args.policies or ''
@@ -256,7 +288,7 @@ def _fit_report(args, named, fam, size, target, header) -> dict:
     raise ValueError(f"--budget '{args.budget}': a fraction of none's plan depends on the batch; "
                      'give auto:SIZE or auto')
   nbytes = budget.resolve(0, target.device_memory, target.name)
-  base = zoo.case(named.model, args.batch_size, size)
+  base = zoo.case(named.model, args.batch_size, size, args.layout)
   tags = sorted(base.tags())
   specs = [p.spec for p in measuring.resolve_policies(
       parse_specs(args.policies, fam.policies, tags), set(tags), base.num_layers)]
@@ -266,8 +298,8 @@ def _fit_report(args, named, fam, size, target, header) -> dict:
     high = named.model.max_len
 
   def case(v: int):
-    c = zoo.case(named.model, v, size) if args.fit == 'batch' else zoo.case(
-        named.model, args.batch_size, v)
+    c = zoo.case(named.model, v, size, args.layout) if args.fit == 'batch' else zoo.case(
+        named.model, args.batch_size, v, args.layout)
     return c.train_step, c.step_args()
   fits = fit_table(case, specs, nbytes, target, base.num_layers, high=high)
   head = header.replace(f'batch {args.batch_size} x ', 'batch B x ' if args.fit == 'batch' else
@@ -289,7 +321,8 @@ def main(argv=None) -> int:
     shape = {'image_size': size} if fam.vision else {'seq_len': size}
     env = {'jax': jax.__version__, 'backend': jax.default_backend(), 'target': target.name,
            'device': target.description, 'model': fam.arch, 'config': named.name,
-           'batch_size': args.batch_size, **shape, 'dtype': named.model.dtype}
+           'batch_size': args.batch_size, **shape, 'dtype': named.model.dtype,
+           'layout': args.layout}
     what = 'loss gradient (no optimizer)' if args.sweep else 'train step'
     if args.fused_update:
       if args.sweep or args.fit or args.mesh or args.explain or args.device_peak:
@@ -299,8 +332,19 @@ def main(argv=None) -> int:
     dims = f'image {size}x{size}' if fam.vision else f'seq {size}'
     if args.sweep and args.sweep.startswith('resolution'):
       dims = 'image SxS'
-    header = (f'# {what}, {fam.arch} {named.name}, batch {args.batch_size} x {dims}, '
-              f'{named.model.dtype}, target {target.name} ({target.description}), compile only'
+    lora = getattr(named.model, 'lora', None)
+    if lora is not None:
+      env['lora'] = dataclasses.asdict(lora)
+      if args.device_peak:
+        raise ValueError('--device-peak runs the full fine-tune of --config in a fresh process; '
+                         'with --lora plan the table instead (drop --device-peak)')
+      if args.fused_update:
+        raise ValueError('--fused-update applies the optimizer to every parameter in the backward '
+                         'pass; a --lora run trains only its adapters: drop one of them')
+    header = (f'# {what}, {fam.arch} {named.name}{f" + {lora.describe()}" if lora else ""}, '
+              f'batch {args.batch_size} x {dims}, '
+              f'{named.model.dtype}, target {target.name} ({target.description}), '
+              f'layout {args.layout}, compile only'
               f'{" + timed on the local backend" if args.time else ""} (jax {jax.__version__})')
     if args.explain:
       body = _explain_report(args, named, fam, size, target, header)

@@ -97,10 +97,9 @@ def _optimizer():
 
 
 def _loss(task: Task, model):
-  """The train-mode loss (dropout on, BatchNorm on batch statistics) as loss(params, (state, batch))."""
-  def loss(params, inputs):
-    return task.loss(model, params, inputs[0], inputs[1], jax.random.PRNGKey(0))[0]
-  return loss
+  """The train-mode loss (dropout on, BatchNorm on batch statistics) as
+  ``loss(params, (frozen, model_state, batch))`` (:func:`training.step.train_step.measured_step`)."""
+  return st.measured_step(model, _optimizer(), 0).loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,9 +129,7 @@ class Case:
 
   def train_step(self, policy: Policy) -> TrainStep:
     """The train step under ``policy``, with the loss it differentiates."""
-    model, tx = self.task.model(policy), _optimizer()
-    return TrainStep(st.make_train_step(model, tx, 0), _loss(self.task, model),
-                     lambda state, batch: (state.params, (state.model_state, batch)))
+    return st.measured_step(self.task.model(policy), _optimizer(), 0)
 
   @functools.cached_property
   def stack_path(self) -> tuple[str, ...]:
@@ -157,16 +154,14 @@ class Case:
     """The train step with AdamW applied layer by layer in the backward pass (clip per layer)."""
     model, tx = self.task.model(policy), _optimizer()
     step = fused_step.make_fused_train_step(model, tx, self.stack_path)
-    return TrainStep(step, _loss(self.task, model),
-                     lambda state, batch: (state.params, (state.model_state, batch)))
+    return TrainStep(step, _loss(self.task, model), st.loss_inputs)
 
   def loss_args(self):
-    """Abstract ``(params, (model_state, batch))`` of the loss."""
-    state, batch = self.step_args()
-    return state.params, (state.model_state, batch)
+    """Abstract ``(params, (frozen, model_state, batch))`` of the loss."""
+    return st.loss_inputs(*self.step_args())
 
   def loss(self, policy: Policy):
-    """The loss alone under ``policy``: ``loss(params, (model_state, batch))``."""
+    """The loss alone under ``policy``: ``loss(params, (frozen, model_state, batch))``."""
     return _loss(self.task, self.task.model(policy))
 
   def policy(self, spec: str | Policy) -> Policy:
@@ -185,9 +180,12 @@ class Case:
                        num_layers=self.num_layers, cache_key=self.cache_key(), **kwargs)
 
 
-def case(model_cfg, batch_size: int, size: int) -> Case:
-  """The zoo case; one-line ValueError when ``size`` does not fit the model."""
-  return Case(Task(model_cfg).at_size(size), batch_size, size)
+def case(model_cfg, batch_size: int, size: int, layout: str = 'auto') -> Case:
+  """The zoo case; one-line ValueError when ``size`` does not fit the model.
+
+  ``layout``: how the model's stacks become a program (:data:`remat.layout.LAYOUTS`).
+  """
+  return Case(Task(model_cfg, layout).at_size(size), batch_size, size)
 
 
 def measure(model_cfg, spec: str | Policy, batch_size: int, size: int, target: Target,

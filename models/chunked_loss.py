@@ -65,8 +65,8 @@ def _divisor(n: int, weights):
   return n if weights is None else jnp.maximum(jnp.sum(weights.astype(jnp.float32)), 1.0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def chunked_cross_entropy(h, emb, labels, chunk: int, weights=None):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 5))
+def chunked_cross_entropy(h, emb, labels, chunk: int, weights=None, emb_grad: bool = True):
   """Mean softmax cross-entropy of the tied output layer ``logits = h @ emb.T``, in chunks.
 
   Equal (within float32 rounding) to
@@ -90,6 +90,9 @@ def chunked_cross_entropy(h, emb, labels, chunk: int, weights=None):
     weights: None, or float ``[N]`` per-token weights (0 or 1: a loss mask); the
       result is then ``sum(ce * weights) / max(sum(weights), 1)``, the mean over
       the tokens that count. Not differentiated.
+    emb_grad: False for a frozen output layer (a LoRA run): its ``[V, D]``
+      gradient is neither computed nor held (it would cost a third of the
+      loss's matmuls and a float32 copy of the embedding), and its cotangent is zero.
   """
   hs, ys, ws = _chunked(h, labels, chunk, weights)
 
@@ -101,7 +104,7 @@ def chunked_cross_entropy(h, emb, labels, chunk: int, weights=None):
   return total / _divisor(h.shape[0], weights)
 
 
-def _cross_entropy_fwd(h, emb, labels, chunk, weights=None):
+def _cross_entropy_fwd(h, emb, labels, chunk, weights=None, emb_grad=True):
   n = _divisor(h.shape[0], weights)
   hs, ys, ws = _chunked(h, labels, chunk, weights)
 
@@ -113,27 +116,29 @@ def _cross_entropy_fwd(h, emb, labels, chunk, weights=None):
     onehot = jnp.arange(logits.shape[-1])[None, :] == yc[:, None]
     d_logits = jnp.where(onehot, probs - 1.0, probs) * (wc / n)[:, None]
     return (jnp.sum((lse - label_logit) * wc), jnp.dot(d_logits, emb.astype(jnp.float32)),
-            jnp.dot(d_logits.T, hc.astype(jnp.float32)))
+            jnp.dot(d_logits.T, hc.astype(jnp.float32)) if emb_grad else None)
 
   def body(carry, xs):
     total, d_emb = carry
     loss_c, d_hc, d_emb_c = grads(*xs)
-    return (total + loss_c, d_emb + d_emb_c), d_hc
+    return (total + loss_c, None if d_emb is None else d_emb + d_emb_c), d_hc
   # The first chunk starts the [V, D] accumulator: a zero-filled one would be allocated
   # early (XLA schedules the fill during the layers' forward pass) and add to its peak.
   total, d_h0, d_emb = grads(hs[0], ys[0], ws[0])
   (total, d_emb), d_h = jax.lax.scan(body, (total, d_emb), (hs[1:], ys[1:], ws[1:]))
   d_h = jnp.concatenate([d_h0[None], d_h]).reshape(-1, h.shape[-1])[:h.shape[0]]
-  return total / n, (d_h.astype(h.dtype), d_emb.astype(emb.dtype), weights)
+  d_emb = None if d_emb is None else d_emb.astype(emb.dtype)
+  return total / n, (d_h.astype(h.dtype), d_emb, weights)
 
 
-def _cross_entropy_bwd(chunk, res, g):
+def _cross_entropy_bwd(chunk, emb_grad, res, g):
+  del chunk, emb_grad
   d_h, d_emb, weights = res
   # The float32 cotangent would promote a bfloat16 residual: the cotangents must keep their
   # primals' dtypes, else the transpose of the first bfloat16 op above (Llama's final RMSNorm
-  # scaling) fails on mixed operands.
-  return ((g * d_h).astype(d_h.dtype), (g * d_emb).astype(d_emb.dtype), None,
-          None if weights is None else jnp.zeros_like(weights))
+  # scaling) fails on mixed operands. A frozen embedding's cotangent is None: zero.
+  return ((g * d_h).astype(d_h.dtype), None if d_emb is None else (g * d_emb).astype(d_emb.dtype),
+          None, None if weights is None else jnp.zeros_like(weights))
 
 
 chunked_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)

@@ -39,7 +39,8 @@ from jax.ad_checkpoint import checkpoint_name
 from models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from models.attention import attention
 from models.dropout import dropout, dropout_keys
-from models.layers import TRANSFORMER_TAGS, GeluDense, LayerNorm, NormDense, Normalized, check_dtype
+from models.layers import TRANSFORMER_TAGS, LayerNorm, Normalized, check_dtype, projection
+from models.lora.spec import LoraSpec, as_spec
 from remat.policies import Policy, get_policy
 from remat.stack import LayerStack
 
@@ -69,6 +70,8 @@ class GPTConfig:
       time, not values (up to rounding).
     dtype: compute dtype, 'float32' or 'bfloat16' (parameters stay float32;
       docs/precision.md).
+    lora: None (every parameter trained), or the LoRA adapters of a run whose
+      base is frozen (:mod:`models.lora`; a dict of its fields in JSON).
   """
   vocab_size: int = 256
   max_len: int = 256
@@ -80,8 +83,10 @@ class GPTConfig:
   loss_chunk: int | None = None
   attention: str = 'auto'
   dtype: str = 'float32'
+  lora: LoraSpec | None = None
 
   def __post_init__(self):
+    object.__setattr__(self, 'lora', as_spec(self.lora))
     for f in ('vocab_size', 'max_len', 'num_layers', 'num_heads', 'd_model'):
       if getattr(self, f) < 1:
         raise ValueError(f'GPTConfig.{f} must be >= 1, got {getattr(self, f)}')
@@ -102,10 +107,6 @@ class GPTConfig:
     return self.d_model // self.num_heads
 
 
-def _dense(features: int, name: str, dtype: str, std: float = 0.02) -> nn.Dense:
-  return nn.Dense(features, kernel_init=nn.initializers.normal(std), dtype=dtype, name=name)
-
-
 class Attention(nn.Module):
   """Causal multi-head self-attention; reads ``ln_1`` in parts (:class:`~models.layers.Normalized`)."""
   config: GPTConfig
@@ -116,8 +117,8 @@ class Attention(nn.Module):
     cfg = self.config
     b, t, _ = x.x_hat.shape
     split = lambda y: y.reshape(b, t, cfg.num_heads, cfg.head_dim)
-    proj = lambda name: split(NormDense(cfg.d_model, nn.initializers.normal(0.02), cfg.dtype,
-                                        name=name)(x))
+    proj = lambda name: split(projection(self, cfg, 'gpt', f'attn/{name}', cfg.d_model, x,
+                                         kernel_init=nn.initializers.normal(0.02), rng=rng))
     q = checkpoint_name(proj('query'), 'query_proj')
     k = checkpoint_name(proj('key'), 'key_proj')
     v = checkpoint_name(proj('value'), 'value_proj')
@@ -125,8 +126,9 @@ class Attention(nn.Module):
     ctx = attention(q, k, v, causal=True, dropout_rate=cfg.dropout,
                     deterministic=self.deterministic, rng=attn_key, implementation=cfg.attention,
                     segment_ids=segment_ids)
-    out = _dense(cfg.d_model, 'c_proj', cfg.dtype, 0.02 / math.sqrt(2 * cfg.num_layers))(
-        ctx.reshape(b, t, cfg.d_model))
+    out = projection(self, cfg, 'gpt', 'attn/c_proj', cfg.d_model, ctx.reshape(b, t, cfg.d_model),
+                     kernel_init=nn.initializers.normal(0.02 / math.sqrt(2 * cfg.num_layers)),
+                     rng=rng)
     out = checkpoint_name(out, 'out_proj')
     return dropout(out, cfg.dropout, deterministic=self.deterministic, rng=resid_key)
 
@@ -139,10 +141,12 @@ class MLP(nn.Module):
   @nn.compact
   def __call__(self, x: Normalized, rng):
     cfg = self.config
-    h = NormDense(4 * cfg.d_model, nn.initializers.normal(0.02), cfg.dtype, name='c_fc')(x)
+    h = projection(self, cfg, 'gpt', 'mlp/c_fc', 4 * cfg.d_model, x,
+                   kernel_init=nn.initializers.normal(0.02), rng=rng)
     h = checkpoint_name(h, 'mlpwi')
-    out = GeluDense(cfg.d_model, True, nn.initializers.normal(0.02 / math.sqrt(2 * cfg.num_layers)),
-                    cfg.dtype, name='c_proj')(h)
+    out = projection(self, cfg, 'gpt', 'mlp/c_proj', cfg.d_model, h, gelu=True,
+                     kernel_init=nn.initializers.normal(0.02 / math.sqrt(2 * cfg.num_layers)),
+                     rng=rng)
     out = checkpoint_name(out, 'mlpwo')
     return dropout(out, cfg.dropout, deterministic=self.deterministic, rng=rng)
 
@@ -185,6 +189,7 @@ class GPT(nn.Module):
   """
   config: GPTConfig
   policy: Policy | str = 'none'
+  layout: str = 'auto'   # how the stack becomes a program (remat.layout.LAYOUTS)
 
   @nn.compact
   def __call__(self, tokens, *, deterministic: bool = True, return_hidden: bool = False,
@@ -203,7 +208,7 @@ class GPT(nn.Module):
     segs = () if segment_ids is None else (segment_ids,)
     x = LayerStack(Block, cfg.num_layers, policy,
                    block_kwargs={'config': cfg, 'deterministic': deterministic},
-                   name='h')(x, *segs, deterministic=deterministic)
+                   name='h', layout=self.layout)(x, *segs, deterministic=deterministic)
     x = LayerNorm(cfg.layer_norm_eps, name='ln_f')(x)
     if return_hidden:
       return x

@@ -20,6 +20,8 @@ checks it against the full model and against ``transformers``' ``generate``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 
 import jax
@@ -151,6 +153,12 @@ def greedy_generate(arch: str, cfg, params, prompts: list[list[int]], max_new_to
   """
   if not prompts:
     return []
+  if getattr(cfg, 'lora', None) is not None:
+    # The decoder computes the plain model: a LoRA run's adapters are folded into their base
+    # (a QLoRA base dequantized), as its merged export is.
+    from models.lora import params as lora_params
+    params = lora_params.merged(params, cfg.lora, arch)
+    cfg = dataclasses.replace(cfg, lora=None)
   lens = [len(p) for p in prompts]
   if min(lens) < 1 or max(lens) > cfg.max_len:
     raise ValueError(f'a prompt has {min(lens) if min(lens) < 1 else max(lens)} tokens; '

@@ -19,6 +19,8 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from models.chunking import row_chunks
+from models.lora.dense import AdaptedDense, adapter_key
+from models.lora.spec import PROJECTIONS, projection_tag
 
 # The checkpoint names a Transformer block emits; GPT-2 and ViT use the same
 # vocabulary, so every tag-based policy and preset applies to both.
@@ -321,3 +323,32 @@ class LayerNorm(nn.Module):
     if self.parts:
       return Normalized(normalize(x, self.epsilon), scale, bias)
     return layer_norm(x, scale, bias, self.epsilon)
+
+
+def projection(parent: nn.Module, config, arch: str, path: str, features: int, x, *,
+               kernel_init: Callable, rng=None, gelu: bool | None = None):
+  """One projection of a GPT-2 or ViT block, named by its path below the block ('attn/query').
+
+  ``x`` is a :class:`Normalized` LayerNorm output (a :class:`NormDense`), the
+  input of a GELU (``gelu``: its ``approximate`` flag; a :class:`GeluDense`), or
+  an array (``nn.Dense``); every one has a bias. In a LoRA run
+  (``config.lora``) the layer is a frozen :class:`~models.lora.dense.AdaptedDense`
+  of the same parameters, fed the LayerNorm's or GELU's output, with an
+  adapter if ``path`` is a target (``rng``: the block's key for its dropout).
+  """
+  name = path.rsplit('/', 1)[-1]
+  dtype = config.dtype
+  if config.lora is None:
+    if isinstance(x, Normalized):
+      return NormDense(features, kernel_init, dtype, name=name, parent=parent)(x)
+    if gelu is not None:
+      return GeluDense(features, gelu, kernel_init, dtype, name=name, parent=parent)(x)
+    return nn.Dense(features, kernel_init=kernel_init, dtype=dtype, name=name, parent=parent)(x)
+  if isinstance(x, Normalized):   # NormDense's input, as it forms it: all three in dtype
+    x = x.x_hat.astype(dtype) * x.scale.astype(dtype) + x.bias.astype(dtype)
+  elif gelu is not None:
+    x = jax.nn.gelu(x.astype(dtype), approximate=gelu)
+  index = [p for p, _ in PROJECTIONS[arch]].index(path)
+  return AdaptedDense(features, config.lora, path, projection_tag(arch, path), dtype,
+                      use_bias=True, kernel_init=kernel_init, name=name,
+                      parent=parent)(x, adapter_key(rng, index))

@@ -43,6 +43,8 @@ from models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from models.attention import attention
 from models.chunking import row_chunks
 from models.layers import DTYPES
+from models.lora.dense import AdaptedDense, adapter_key
+from models.lora.spec import PROJECTIONS, LoraSpec, as_spec, projection_tag
 from remat.policies import Policy, get_policy
 from remat.stack import LayerStack
 
@@ -111,6 +113,8 @@ class LlamaConfig:
     dtype: 'float32' or 'bfloat16': activations and matmuls (parameters stay float32).
     attention: attention implementation, as ``GPTConfig.attention``
       (:func:`models.attention.attention`). Changes memory and time, not values.
+    lora: None (every parameter trained), or the LoRA adapters of a run whose
+      base is frozen (:mod:`models.lora`; a dict of its fields in JSON).
   """
   vocab_size: int = 256
   d_model: int = 128
@@ -126,8 +130,10 @@ class LlamaConfig:
   loss_chunk: int | None = None
   dtype: str = 'float32'
   attention: str = 'auto'
+  lora: LoraSpec | None = None
 
   def __post_init__(self):
+    object.__setattr__(self, 'lora', as_spec(self.lora))
     for f in ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads', 'mlp_dim',
               'max_len'):
       if getattr(self, f) < 1:
@@ -239,16 +245,27 @@ class RMSNorm(nn.Module):
     return normed.astype(self.dtype) * scale.astype(self.dtype)
 
 
+def _projection(module: nn.Module, cfg: LlamaConfig, features: int, path: str, x, rng):
+  """``x`` through the block's projection ``path`` ('self_attn/q_proj'): a :class:`Dense`, or in
+  a LoRA run a frozen :class:`~models.lora.dense.AdaptedDense` (``rng``: its adapter's dropout)."""
+  name = path.rsplit('/', 1)[-1]
+  if cfg.lora is None:
+    return Dense(features, cfg.dtype, name=name, parent=module)(x)
+  index = [p for p, _ in PROJECTIONS['llama']].index(path)
+  return AdaptedDense(features, cfg.lora, path, projection_tag('llama', path), cfg.dtype,
+                      name=name, parent=module)(x, adapter_key(rng, index))
+
+
 class Attention(nn.Module):
   """Grouped-query causal self-attention with rotary embeddings."""
   config: LlamaConfig
 
   @nn.compact
-  def __call__(self, x, cos, sin, segment_ids=None):
+  def __call__(self, x, cos, sin, segment_ids=None, rng=None):
     cfg = self.config
     b, t, _ = x.shape
-    proj = lambda heads, name: Dense(heads * cfg.head_dim, cfg.dtype, name=name)(x).reshape(
-        b, t, heads, cfg.head_dim)
+    proj = lambda heads, name: _projection(self, cfg, heads * cfg.head_dim, f'self_attn/{name}',
+                                           x, rng).reshape(b, t, heads, cfg.head_dim)
     q = checkpoint_name(proj(cfg.num_heads, 'q_proj'), 'query_proj')
     k = checkpoint_name(proj(cfg.num_kv_heads, 'k_proj'), 'key_proj')
     v = checkpoint_name(proj(cfg.num_kv_heads, 'v_proj'), 'value_proj')
@@ -256,7 +273,8 @@ class Attention(nn.Module):
     ctx = attention(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, causal=True,
                     dropout_rate=0.0, deterministic=True, rng=None,
                     implementation=cfg.attention, segment_ids=segment_ids)
-    out = Dense(cfg.d_model, cfg.dtype, name='o_proj')(ctx.reshape(b, t, cfg.d_model))
+    out = _projection(self, cfg, cfg.d_model, 'self_attn/o_proj', ctx.reshape(b, t, cfg.d_model),
+                      rng)
     return checkpoint_name(out, 'out_proj')
 
 
@@ -387,26 +405,48 @@ class MLP(nn.Module):
   config: LlamaConfig
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, rng=None):
     cfg = self.config
+    if cfg.lora is not None:
+      return self._adapted(x, rng)
     d = x.shape[-1]
     wg = DenseKernel(cfg.mlp_dim, cfg.dtype, name='gate_proj')(d)
     wu = DenseKernel(cfg.mlp_dim, cfg.dtype, name='up_proj')(d)
     wd = DenseKernel(cfg.d_model, cfg.dtype, name='down_proj')(cfg.mlp_dim)
     return checkpoint_name(swiglu_mlp(x.astype(cfg.dtype), wg, wu, wd), 'mlpwo')
 
+  def _adapted(self, x, rng):
+    """The LoRA run's MLP: frozen projections with adapters, written plainly.
+
+    The chunked rule of :func:`swiglu_mlp` computes the three kernels' gradients,
+    which a frozen base does not need; here ``gate`` and ``up`` are the tagged
+    products (what every policy keeps or recomputes, as before) and the SiLU
+    product is rebuilt from them elementwise.
+    """
+    cfg = self.config
+    x = x.astype(cfg.dtype)
+    gate = checkpoint_name(_projection(self, cfg, cfg.mlp_dim, 'mlp/gate_proj', x, rng), 'mlpwi_0')
+    up = checkpoint_name(_projection(self, cfg, cfg.mlp_dim, 'mlp/up_proj', x, rng), 'mlpwi_1')
+    hidden = gate * jax.nn.sigmoid(gate) * up   # nn.silu(gate) * up, as _swiglu_down_apply
+    return checkpoint_name(_projection(self, cfg, cfg.d_model, 'mlp/down_proj', hidden, rng),
+                           'mlpwo')
+
 
 class Block(nn.Module):
-  """Pre-norm decoder block, in the layer-stack convention ``(x, cos, sin[, segment_ids]) -> x``."""
+  """Pre-norm decoder block, in the layer-stack convention ``(x, cos, sin[, segment_ids]) -> x``.
+
+  ``rng`` is the layer's dropout key: only a LoRA run with adapter dropout
+  draws one (Llama itself has no dropout); None otherwise.
+  """
   config: LlamaConfig
 
   @nn.compact
-  def __call__(self, x, cos, sin, segment_ids=None):
+  def __call__(self, x, cos, sin, segment_ids=None, *, rng=None):
     cfg = self.config
     h = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name='input_layernorm')(x)
-    x = x + Attention(cfg, name='self_attn')(h, cos, sin, segment_ids)
+    x = x + Attention(cfg, name='self_attn')(h, cos, sin, segment_ids, rng)
     h = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name='post_attention_layernorm')(x)
-    return x + MLP(cfg, name='mlp')(h)
+    return x + MLP(cfg, name='mlp')(h, rng)
 
 
 class Embed(nn.Module):
@@ -446,8 +486,8 @@ class Llama(nn.Module):
   ``return_hidden=True`` (or :meth:`hidden`) returns the final hidden states
   [B, T, d_model] in ``dtype`` instead; the training loss applies the output
   layer (:func:`output_embedding`) to them in chunks, so a 128k-word
-  vocabulary's logits never exist whole. ``deterministic`` is accepted for the
-  trainer's sake; Llama has no dropout.
+  vocabulary's logits never exist whole. Llama has no dropout:
+  ``deterministic=False`` draws keys only for a LoRA run's adapter dropout.
 
   A window packed from several documents passes ``segment_ids`` (int [B, T]:
   attention stays within a document) and ``positions`` (int [B, T]: the
@@ -459,11 +499,11 @@ class Llama(nn.Module):
   """
   config: LlamaConfig
   policy: Policy | str = 'none'
+  layout: str = 'auto'   # how the stack becomes a program (remat.layout.LAYOUTS)
 
   @nn.compact
   def __call__(self, tokens, *, deterministic: bool = True, return_hidden: bool = False,
                segment_ids=None, positions=None):
-    del deterministic
     cfg = self.config
     policy = get_policy(self.policy, num_layers=cfg.num_layers)
     t = tokens.shape[1]
@@ -473,8 +513,11 @@ class Llama(nn.Module):
     x = embed(tokens).astype(cfg.dtype)
     cos, sin = rotary_tables(cfg, t, positions)
     segs = () if segment_ids is None else (segment_ids,)
+    # Keys are drawn only where something uses them: the unadapted model stays as it was.
+    drop = not deterministic and cfg.lora is not None and cfg.lora.dropout > 0
     x = LayerStack(Block, cfg.num_layers, policy, block_kwargs={'config': cfg},
-                   name='layers')(x, cos, sin, *segs)
+                   name='layers', layout=self.layout)(x, cos, sin, *segs,
+                                                      deterministic=not drop)
     x = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name='norm')(x)
     if return_hidden:
       return x

@@ -237,6 +237,7 @@ class ResNet(nn.Module):
   """
   config: ResNetConfig
   policy: Policy | str = 'none'
+  layout: str = 'auto'   # how the stacks become a program (remat.layout.LAYOUTS)
 
   @nn.compact
   def __call__(self, images, *, deterministic: bool = True):
@@ -256,11 +257,11 @@ class ResNet(nn.Module):
       # Stacks differ in depth and tags ('shortcut'): the policy is checked model-wide
       # (above for depth, by Task.emitted_tags for tags).
       x = LayerStack(Block, 1, policy, block_kwargs=first, strict=False,
-                     name=f'stages_{s}_first')(x)
+                     name=f'stages_{s}_first', layout=self.layout)(x)
       if depth > 1:
         rest = dict(config=cfg, features=features, train=train)
         x = LayerStack(Block, depth - 1, policy, block_kwargs=rest, strict=False,
-                       name=f'stages_{s}_layers')(x)
+                       name=f'stages_{s}_layers', layout=self.layout)(x)
       width = features
     x = jnp.mean(x, axis=(1, 2))
     return nn.Dense(cfg.num_classes, dtype=cfg.dtype, name='classifier')(x)

@@ -46,8 +46,11 @@ class Task:
 
   Attributes:
     config: a GPTConfig, LlamaConfig, ViTConfig or ResNetConfig.
+    layout: how the model's layer stacks become a program (:data:`remat.layout.LAYOUTS`);
+      the parameters are the same under every layout.
   """
   config: Any
+  layout: str = 'auto'
 
   @property
   def arch(self) -> str:
@@ -67,7 +70,7 @@ class Task:
     return self.config.image_size if self.is_vision else self.config.max_len
 
   def model(self, policy) -> nn.Module:
-    return _MODELS[self.arch](self.config, policy)
+    return _MODELS[self.arch](self.config, policy, self.layout)
 
   def at_size(self, size: int) -> 'Task':
     """This task for sequence length / image side ``size``.
@@ -86,7 +89,7 @@ class Task:
     if self.arch == 'vit':
       if size % cfg.patch_size:
         raise ValueError(f'image size {size} is not a multiple of the patch size {cfg.patch_size}')
-      return Task(dataclasses.replace(cfg, image_size=size))
+      return Task(dataclasses.replace(cfg, image_size=size), self.layout)
     if size < 32:
       raise ValueError(f'image size {size} is too small for a ResNet; it needs >= 32')
     return self
@@ -183,4 +186,5 @@ class Task:
     # loss computes the logits in float32 from those operands.
     return chunked_cross_entropy(h.reshape(-1, h.shape[-1]), emb.astype(h.dtype),
                                  labels.reshape(-1), chunk,
-                                 None if weights is None else weights.reshape(-1))
+                                 None if weights is None else weights.reshape(-1),
+                                 emb_grad=self.config.lora is None)   # a LoRA base is frozen

@@ -38,7 +38,8 @@ from jax.ad_checkpoint import checkpoint_name
 from models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from models.attention import attention
 from models.dropout import dropout_keys
-from models.layers import TRANSFORMER_TAGS, GeluDense, LayerNorm, NormDense, Normalized, check_dtype
+from models.layers import TRANSFORMER_TAGS, LayerNorm, Normalized, check_dtype, projection
+from models.lora.spec import LoraSpec, as_spec
 from remat.policies import Policy, get_policy
 from remat.stack import LayerStack
 
@@ -66,6 +67,8 @@ class ViTConfig:
       time, not values (up to rounding).
     dtype: compute dtype, 'float32' or 'bfloat16' (parameters stay float32;
       docs/precision.md).
+    lora: None (every parameter trained), or the LoRA adapters of a run whose
+      base is frozen and whose classifier is trained whole (:mod:`models.lora`).
   """
   image_size: int = 32
   patch_size: int = 4
@@ -80,8 +83,10 @@ class ViTConfig:
   layer_norm_eps: float = 1e-12
   attention: str = 'auto'
   dtype: str = 'float32'
+  lora: LoraSpec | None = None
 
   def __post_init__(self):
+    object.__setattr__(self, 'lora', as_spec(self.lora))
     for f in ('image_size', 'patch_size', 'channels', 'num_classes', 'num_layers', 'num_heads',
               'd_model', 'mlp_dim'):
       if getattr(self, f) < 1:
@@ -130,14 +135,16 @@ class Attention(nn.Module):
     cfg = self.config
     b, t, _ = x.x_hat.shape
     heads = lambda y: y.reshape(b, t, cfg.num_heads, cfg.d_model // cfg.num_heads)
-    proj = lambda name: heads(NormDense(cfg.d_model, _INIT, cfg.dtype, name=name)(x))
+    proj = lambda name: heads(projection(self, cfg, 'vit', f'attention/{name}', cfg.d_model, x,
+                                         kernel_init=_INIT, rng=rng))
     q = checkpoint_name(proj('query'), 'query_proj')
     k = checkpoint_name(proj('key'), 'key_proj')
     v = checkpoint_name(proj('value'), 'value_proj')
     attn_key, out_key = dropout_keys(rng, 2)
     ctx = attention(q, k, v, causal=False, dropout_rate=cfg.attention_dropout,
                     deterministic=self.deterministic, rng=attn_key, implementation=cfg.attention)
-    out = _dense(cfg.d_model, 'output', cfg.dtype)(ctx.reshape(b, t, cfg.d_model))
+    out = projection(self, cfg, 'vit', 'attention/output', cfg.d_model,
+                     ctx.reshape(b, t, cfg.d_model), kernel_init=_INIT, rng=rng)
     out = checkpoint_name(out, 'out_proj')
     return nn.Dropout(cfg.dropout)(out, self.deterministic, rng=out_key)
 
@@ -154,8 +161,10 @@ class Block(nn.Module):
     h = LayerNorm(cfg.layer_norm_eps, parts=True, name='layernorm_before')(x)
     x = x + Attention(cfg, self.deterministic, name='attention')(h, attn_key)
     h = LayerNorm(cfg.layer_norm_eps, parts=True, name='layernorm_after')(x)
-    h = checkpoint_name(NormDense(cfg.mlp_dim, _INIT, cfg.dtype, name='intermediate')(h), 'mlpwi')
-    h = checkpoint_name(GeluDense(cfg.d_model, False, _INIT, cfg.dtype, name='output')(h), 'mlpwo')
+    h = checkpoint_name(projection(self, cfg, 'vit', 'intermediate', cfg.mlp_dim, h,
+                                   kernel_init=_INIT, rng=mlp_key), 'mlpwi')
+    h = checkpoint_name(projection(self, cfg, 'vit', 'output', cfg.d_model, h, gelu=False,
+                                   kernel_init=_INIT, rng=mlp_key), 'mlpwo')
     return x + nn.Dropout(cfg.dropout)(h, self.deterministic, rng=mlp_key), None
 
 
@@ -187,6 +196,7 @@ class ViT(nn.Module):
   """
   config: ViTConfig
   policy: Policy | str = 'none'
+  layout: str = 'auto'   # how the stack becomes a program (remat.layout.LAYOUTS)
 
   @nn.compact
   def __call__(self, images, *, deterministic: bool = True):
@@ -198,6 +208,6 @@ class ViT(nn.Module):
     x = Embeddings(cfg, name='embeddings')(images, deterministic)
     x = LayerStack(Block, cfg.num_layers, policy,
                    block_kwargs={'config': cfg, 'deterministic': deterministic},
-                   name='encoder')(x, deterministic=deterministic)
+                   name='encoder', layout=self.layout)(x, deterministic=deterministic)
     x = LayerNorm(cfg.layer_norm_eps, name='layernorm')(x)
     return _dense(cfg.num_classes, 'classifier', cfg.dtype)(x[:, 0])

@@ -48,7 +48,8 @@ def stack_modules(make_layer: Callable[[jax.Array], Any], num_layers: int, key: 
 
 def scan_module(stacked, x, *args, policy: Policy | str = 'none', xs=None,
                 key: jax.Array | None = None, strict: bool = True,
-                pattern: Sequence[Hashable] | None = None, xs_kwargs=None):
+                pattern: Sequence[Hashable] | None = None, xs_kwargs=None,
+                layout: str = 'auto'):
   """Applies the N layers of a stacked Equinox module in order, under ``policy``.
 
   Args:
@@ -69,6 +70,7 @@ def scan_module(stacked, x, *args, policy: Policy | str = 'none', xs=None,
     pattern: layer i is of kind ``pattern[i % len(pattern)]``; segmentings and
       mix counts count repeats of the pattern (:mod:`remat.patterns`).
     xs_kwargs: per-layer inputs passed by keyword, as for :func:`remat.scan_layers`.
+    layout: as for :func:`remat.scan_layers`.
 
   Returns:
     ``y``, or ``(y, aux)`` with every layer's ``aux`` stacked ``[N, ...]``
@@ -91,7 +93,7 @@ def scan_module(stacked, x, *args, policy: Policy | str = 'none', xs=None,
     params = {k: p for k, (p, _) in split.items()}
     layer_fn = {k: f for k, (_, f) in split.items()}
   return scan_layers(layer_fn, params, x, *args, xs=xs, policy=policy, rng=key, strict=strict,
-                     pattern=pattern, xs_kwargs=xs_kwargs)
+                     pattern=pattern, xs_kwargs=xs_kwargs, layout=layout)
 
 
 def _split(eqx, stacked, key, what: str, names=None):

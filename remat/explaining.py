@@ -37,6 +37,7 @@ from typing import Any, Callable
 import jax
 
 from remat.buffers import PlanError, compile_with_plan
+from remat.layout import compiling_for
 from remat.explain_analysis import (BACKWARD, CATEGORIES, GRADS, INPUTS, OPT, OTHER, PARAMS,
                                     SAVED, Buffer, Explanation, Span, analyse)
 from remat.memory import compiled_memory
@@ -73,6 +74,15 @@ def _leaf_roles(program, args, kind: str) -> list[tuple[str, str]]:
   return roles
 
 
+def _devices(shardings) -> list:
+  """The devices named by a pytree of shardings (a mesh's, for a sharded explanation)."""
+  out = []
+  for s in jax.tree_util.tree_leaves(shardings, is_leaf=lambda v: hasattr(v, 'device_set')):
+    if hasattr(s, 'device_set'):
+      out += list(s.device_set)
+  return out
+
+
 def _compile(program, args, target: Target, kw: dict):
   """``kw``: jit's ``in_shardings``/``out_shardings`` when given (a mesh), else nothing."""
   from remat.measuring import TrainStep, _abstract, _parts
@@ -80,7 +90,10 @@ def _compile(program, args, target: Target, kw: dict):
   # Given shardings name the devices (a mesh of CPU or abstract GPU devices) themselves.
   placed = target.place(_abstract(args)) if 'in_shardings' not in kw else _abstract(args)
   # keep_unused: HLO parameter i is then flattened leaf i, so each buffer maps to its argument.
-  lowered = jax.jit(fn, donate_argnums=donate, keep_unused=True, **kw).lower(*placed)
+  platform = 'gpu' if target.sharding is not None or kw.get('in_shardings') is not None and any(
+      d.platform == 'gpu' for d in _devices(kw['in_shardings'])) else jax.default_backend()
+  with compiling_for(platform):   # stacks with layout='auto' choose for the target
+    lowered = jax.jit(fn, donate_argnums=donate, keep_unused=True, **kw).lower(*placed)
   options = dict(target.compiler_options)
   if target.sharding is None and jax.default_backend() == 'cpu':
     # LLVM's optimisation of the CPU code is much of a compile and changes no buffer (the

@@ -12,6 +12,7 @@ from typing import Callable, Hashable, Mapping, Sequence
 import jax
 
 from remat import patterns
+from remat.layout import check_layout
 from remat.policies import Policy
 from remat.stack_checks import (StackSignatureError, check_keywords, check_policy,
                                 check_signature, check_stacked, check_swapped, first_layer,
@@ -25,7 +26,8 @@ _EXPECTS = ('scan_layers calls layer_fn(params, x[, xs_i], *args[, rng=key]) -> 
 def scan_layers(layer_fn: Callable | Mapping[Hashable, Callable], stacked_params, x, *args,
                 xs=None, policy: Policy | str = 'none', rng: jax.Array | None = None,
                 num_layers: int | None = None, strict: bool = True,
-                pattern: Sequence[Hashable] | None = None, xs_kwargs: Mapping | None = None):
+                pattern: Sequence[Hashable] | None = None, xs_kwargs: Mapping | None = None,
+                layout: str = 'auto'):
   """Applies N layers that share one function and have stacked parameters, under ``policy``.
 
   Args:
@@ -60,6 +62,9 @@ def scan_layers(layer_fn: Callable | Mapping[Hashable, Callable], stacked_params
       layer i is called with ``name=`` its slice (a U-Net block's ``enc=``
       skip, a per-layer drop rate). Each name must be a keyword parameter of
       the layer. With a ``pattern``, a mapping kind -> such a mapping.
+    layout: how the layers become a program (:data:`remat.layout.LAYOUTS`):
+      'scan', 'unrolled', 'loops', 'groups', or 'auto' (per target and policy).
+      The parameters and gradients are the same under every layout.
 
   Returns:
     ``y``, or ``(y, aux)`` with every layer's ``aux`` stacked ``[N, ...]``
@@ -73,6 +78,7 @@ def scan_layers(layer_fn: Callable | Mapping[Hashable, Callable], stacked_params
       arguments included), or a ``num_layers``, ``xs`` or pattern that
       disagrees with the stacked leaves.
   """
+  check_layout(layout)
   xs, xs_kwargs = per_layer_scalars(xs), per_layer_scalars(xs_kwargs)
   if pattern is None:
     fns, params, per_layer = {None: layer_fn}, {None: stacked_params}, {None: xs}
@@ -135,9 +141,9 @@ def scan_layers(layer_fn: Callable | Mapping[Hashable, Callable], stacked_params
   if strict and policy.uses_tags:
     policy.validate(tags=tags)
   if pattern is None:
-    y, auxs = patterns.run_stack(steps[None], x, stacked[None], n, policy)
+    y, auxs = patterns.run_stack(steps[None], x, stacked[None], n, policy, layout=layout)
   else:
-    y, auxs = patterns.run_stack(steps, x, stacked, n, policy, pattern)
+    y, auxs = patterns.run_stack(steps, x, stacked, n, policy, pattern, layout=layout)
   return y if aux is None else (y, auxs)
 
 

@@ -29,7 +29,8 @@ import contextvars
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
+
+from remat.policies import PolicyError, get_policy
 
 # Primitives whose outputs are rebuilt rather than kept: elementwise arithmetic and
 # comparisons, type conversions and pure layout changes. Their cost is one pass over
@@ -65,9 +66,9 @@ def lean_saveable(prim, *_, **__) -> bool:
   return prim.name not in CHEAP_PRIMITIVES
 
 
-# --- the unrolled reference: the user's model as they would write it ------------------------
+# --- the yardsticks: the user's model as they would write it ----------------------------------
 
-_UNROLLED = contextvars.ContextVar('remat_unrolled_reference', default=False)
+_REFERENCE = contextvars.ContextVar('remat_reference', default=None)
 
 
 @contextlib.contextmanager
@@ -78,24 +79,136 @@ def unrolled_reference():
   applied in turn, XLA free to fuse across layers), for measuring the stack
   against it: ``with unrolled_reference(): compiled = jax.jit(loss).lower(...).compile()``.
   Only tracing inside the block is affected; the parameter tree is the same
-  stacked one, each layer reading its slice. Every policy is ignored here.
+  stacked one, and each layer's gradient is written into it in place
+  (:mod:`remat.unrolled`), as a model with per-layer parameters writes its
+  own. Every policy and layout is ignored here.
   """
-  token = _UNROLLED.set(True)
+  token = _REFERENCE.set(_policy('none'))
   try:
     yield
   finally:
-    _UNROLLED.reset(token)
+    _REFERENCE.reset(token)
+
+
+@contextlib.contextmanager
+def per_block_reference(rule: str = 'full'):
+  """Stacks traced inside run as a Python loop of ``jax.checkpoint(layer, policy=rule)``.
+
+  The other yardstick: what a user gets by writing ``nn.remat(Block,
+  policy=...)`` (or ``jax.checkpoint``) on each block of a Python loop, the
+  one-line habit of Hugging Face, nanodo and most training code. Each layer is
+  checkpointed with ``rule``'s ``jax.checkpoint`` policy and
+  ``prevent_cse=True``, as ``nn.remat`` does; ``'none'`` is
+  :func:`unrolled_reference`. The stack's own policy and layout are ignored.
+
+  Args:
+    rule: a per-layer rule spec (``'full'``, ``'dots'``, ``'names:fc1'``, a
+      preset) or a :class:`remat.Policy` without segments.
+
+  Raises:
+    PolicyError: an unknown rule, or one with segments or a mix (a per-block
+      ``nn.remat`` has neither).
+  """
+  policy = _policy(rule)
+  if policy.segmented or policy.mixed:
+    raise PolicyError(f"per_block_reference takes a per-layer rule such as 'full' or 'dots', "
+                      f"not '{policy.spec}': a checkpoint on each block has no segments")
+  token = _REFERENCE.set(policy)
+  try:
+    yield
+  finally:
+    _REFERENCE.reset(token)
+
+
+def _policy(rule):
+  return get_policy(rule)
+
+
+def active_reference():
+  """The policy of the yardstick being traced (``none`` or a rule), or None outside both."""
+  return _REFERENCE.get()
 
 
 def unrolled_active() -> bool:
   """True inside :func:`unrolled_reference`."""
-  return _UNROLLED.get()
+  ref = _REFERENCE.get()
+  return ref is not None and ref.spec == 'none'
 
 
-def run_unrolled(step: Callable, x, xs, num_layers: int):
-  """``step`` over the layers in a Python loop: ``(x, ys)`` as ``lax.scan`` would return them."""
-  outs = []
-  for i in range(num_layers):
-    x, y = step(x, jax.tree_util.tree_map(lambda a, i=i: a[i], xs))
-    outs.append(y)
-  return x, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
+# --- layouts: how a stack's units become a program ----------------------------------------------
+
+# 'auto' picks one of the others per target and policy (choose_layout).
+LAYOUTS = ('auto', 'scan', 'unrolled', 'loops', 'groups')
+LAYOUT_HELP = {
+    'auto': 'scan on CPU; on a GPU unrolled for a rule that keeps matmul outputs (dots, names:, '
+            'presets) in a stack of <= 8 units outside jax.vmap, else scan (docs/own-model.md)',
+    'scan': 'one lax.scan over the layers: compiled once, whatever N',
+    'unrolled': 'a Python loop, each layer in jax.checkpoint with the rule (the per-block habit; '
+                'GPU), gradients written into the stacked parameters in place',
+    'loops': 'as unrolled, each layer in a loop of one iteration (the XLA CPU backend keeps its '
+             'checkpoint with remat.targets.CPU_COMPILER_OPTIONS)',
+    'groups': 'scans of ~sqrt(N) layers (or of one segment each), joined by a Python loop',
+}
+
+_PLATFORM = contextvars.ContextVar('remat_platform', default=None)
+
+
+@contextlib.contextmanager
+def compiling_for(platform: str):
+  """Stacks traced inside choose their ``'auto'`` layout for ``platform`` ('cpu' or 'gpu').
+
+  For a program traced on one machine and compiled for another: the GPU plans
+  of :mod:`remat.targets` (:func:`remat.measure`, :func:`remat.explain` and the
+  reports set it). Elsewhere the platform is JAX's default backend.
+  """
+  token = _PLATFORM.set(platform)
+  try:
+    yield
+  finally:
+    _PLATFORM.reset(token)
+
+
+def target_platform() -> str:
+  """'cpu' or 'gpu' (or another JAX backend name): what an ``'auto'`` layout is chosen for."""
+  return _PLATFORM.get() or jax.default_backend()
+
+
+def check_layout(layout: str) -> str:
+  """``layout`` if it is one of :data:`LAYOUTS`; a one-line :class:`PolicyError` otherwise."""
+  if layout not in LAYOUTS:
+    raise PolicyError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
+  return layout
+
+
+# The deepest stack that 'auto' unrolls on a GPU: XLA compiles every unrolled layer (the train step
+# of Llama-3.2-1B, 16 layers, compiled 2.9x as slowly unrolled as scanned, of Llama-3.1-8B, 32
+# layers, 6.0x on the H100 plan: docs/own-model.md).
+AUTO_UNROLL_MAX = 8
+
+
+def choose_layout(policy, num_units: int, batched: bool = False,
+                  platform: str | None = None) -> str:
+  """The layout ``'auto'`` stands for (measured in docs/own-model.md).
+
+  On a GPU, a per-layer rule that keeps matmul outputs (``dots``, ``names:``,
+  a preset, ``offload:``) plans less unrolled, as the per-block ``nn.remat``
+  habit does: the scan keeps its saved values in ``[N, ...]`` loop outputs whose
+  layout XLA copies whole between the forward and backward loops. Everything
+  else is the scan: on the CPU backend (which drops checkpoints in straight-line
+  code), for ``none`` (the scan's lean rule keeps less than an unrolled model),
+  ``full``, segments and mixes (the scan planned less or the same), in a stack
+  deeper than :data:`AUTO_UNROLL_MAX` (compile time) and inside ``jax.vmap``
+  (:func:`remat.unrolled.batched`).
+  """
+  platform = platform or target_platform()
+  if platform != 'gpu' or batched or policy.mixed or policy.segmented:
+    return 'scan'
+  if policy.rule in ('none', 'full') or num_units > AUTO_UNROLL_MAX:
+    return 'scan'
+  return 'unrolled'
+
+
+def resolve_layout(layout: str, policy, num_units: int, batched: bool = False) -> str:
+  """``layout``, with ``'auto'`` replaced by :func:`choose_layout`'s choice."""
+  check_layout(layout)
+  return choose_layout(policy, num_units, batched) if layout == 'auto' else layout

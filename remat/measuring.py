@@ -20,6 +20,7 @@ target (:mod:`remat.targets`). Figures: :mod:`remat.memory`,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import sys
@@ -30,10 +31,11 @@ import jax
 import jax.numpy as jnp
 
 from remat.flops import FlopCount, count_flops
+from remat.layout import compiling_for, per_block_reference, unrolled_reference
 from remat.memory import MemoryStats, compiled_memory
-from remat.policies import Policy, get_policy
+from remat.policies import Policy, PolicyError, get_policy
 from remat.residuals import Residual, saved_residuals
-from remat.table import rows as table_rows, format_table, pareto_front
+from remat.table import PER_BLOCK, rows as table_rows, format_table, pareto_front
 from remat.tags import emitted_tags
 from remat.targets import Target, get_target
 
@@ -153,8 +155,9 @@ def compile_step(program, *example_args, target: Target | str = 'cpu'):
   target = get_target(target) if isinstance(target, str) else target
   fn, donate, _ = _parts(program, example_args)
   args = target.place(_abstract(example_args))
-  return jax.jit(fn, donate_argnums=donate).lower(*args).compile(
-      compiler_options=target.compiler_options or None)
+  with compiling_for(target.platform):   # stacks with layout='auto' choose for the target
+    lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
+  return lowered.compile(compiler_options=target.compiler_options or None)
 
 
 def step_memory(program, *example_args, target: Target | str = 'cpu') -> MemoryStats:
@@ -213,9 +216,9 @@ def measure_policy(program, *example_args, spec: str, target: Target | str = 'cp
     args = time_args if time_args is not None else [
         _concrete(a, copy=donated and i == 0) for i, a in enumerate(example_args)]
     seconds = time_step(compiled, args, donated, time_steps)
-  return Measurement(spec, compiled_memory(compiled, target.name),
-                     step_flops(program, *example_args),
-                     step_residuals(program, *example_args), seconds)
+  with compiling_for(target.platform):   # FLOPs and residuals of the program that was compiled
+    flops, residuals = step_flops(program, *example_args), step_residuals(program, *example_args)
+  return Measurement(spec, compiled_memory(compiled, target.name), flops, residuals, seconds)
 
 
 def program_tags(build: Callable, *example_args) -> set[str]:
@@ -237,12 +240,16 @@ def measure(build: Callable[[Policy], Any], *example_args,
             target: Target | str = 'cpu', time: bool = False, time_steps: int = 5,
             num_layers: int | None = None, progress: bool = False, reference: Any = None,
             reference_label: str = 'reference',
-            reference_args: Sequence[Any] | None = None) -> Report:
+            reference_args: Sequence[Any] | None = None,
+            per_block: Sequence[str] = ()) -> Report:
   """Compiles and measures ``build(policy)`` for every policy; ``none`` is always measured first.
 
   With ``reference`` (your model as it was, before any stack or policy), that
   is measured first, as its own row, and every ratio is to it: what a policy
   saves or costs against the model you had, not against the stack's ``none``.
+  With ``per_block``, the other yardstick too: the same model with each layer
+  in ``jax.checkpoint`` under a rule in a Python loop (the one-line ``nn.remat``
+  habit), one row per rule, each stack row beside the per-block row of its rule.
 
   Args:
     build: ``build(policy) -> program``: a loss ``loss(*args) -> scalar``
@@ -261,13 +268,22 @@ def measure(build: Callable[[Policy], Any], *example_args,
     progress: a tqdm progress bar on stderr.
     reference: the untouched program, a loss or :class:`TrainStep`; its row
       comes first and every ratio (temp, peak, FLOPs, time) is to it. It takes
-      ``example_args`` unless ``reference_args`` says otherwise.
+      ``example_args`` unless ``reference_args`` says otherwise. ``'unrolled'``:
+      ``build``'s own program traced inside
+      :func:`remat.layout.unrolled_reference` (every stack a Python loop, no
+      checkpoint), for a model written on the stack from the start.
     reference_label: the reference's row label.
     reference_args: the reference's own arguments (arrays or
       ``jax.ShapeDtypeStruct``), when they differ from the stacked model's: your
       untouched model on its own, per-layer parameter tree, exactly as you
       wrote it (no adapter that stacks or unstacks, which would change its
       plan). The report says which arguments each row used.
+    per_block: per-layer rules (``'full'``, ``'dots'``, ...): a row
+      ``per-block:RULE`` each, ``build``'s program traced inside
+      :func:`remat.layout.per_block_reference` (each layer in
+      ``jax.checkpoint(policy=RULE)`` in a Python loop), measured after the
+      reference. Rows of a stack under the same rule then show
+      ``temp/pb`` (``Report.rows()``: ``per_block_ratio``).
 
   Returns:
     A :class:`Report`: ``results`` per spec, ``front``, ``rows()``, ``table()``.
@@ -278,29 +294,42 @@ def measure(build: Callable[[Policy], Any], *example_args,
     TargetError: an unknown target, or a GPU target without the plugin.
   """
   target = get_target(target) if isinstance(target, str) else target
-  if reference is not None and not (callable(reference) or isinstance(reference, TrainStep)):
-    raise TypeError(f'reference must be the untouched loss function or a TrainStep, got '
-                    f'{type(reference).__name__}')
+  if reference is not None and not (callable(reference) or isinstance(reference, TrainStep)
+                                    or reference == 'unrolled'):
+    raise TypeError(f"reference must be the untouched loss function, a TrainStep or 'unrolled', "
+                    f'got {type(reference).__name__}')
   tags = program_tags(build, *example_args)
   todo = resolve_policies(policies, tags, num_layers)
+  blocks = [get_policy(r, tags=tags) for r in per_block]   # one-line errors before any compile
+  for p in blocks:
+    if p.segmented or p.mixed or not p.remat_layers:
+      raise PolicyError(f"per_block takes per-layer rules that checkpoint ('full', 'dots', ...), "
+                        f"got '{p.spec}'")
   if reference is not None and reference_label in {p.spec for p in todo}:
     raise ValueError(f"reference_label '{reference_label}' is also a policy's spec; choose another")
-  if reference_args is not None and reference is None:
-    raise ValueError('reference_args were given without a reference to measure on them')
+  if reference_args is not None and (reference is None or isinstance(reference, str)):
+    raise ValueError('reference_args were given without a reference function to measure on them')
   if reference_args is not None and not isinstance(reference_args, (tuple, list)):
     raise TypeError(f'reference_args must be a tuple of the reference\'s arguments, got '
                     f'{type(reference_args).__name__}')
   todo = ([(reference_label, reference)] if reference is not None else []) + [
-      (p.spec, p) for p in todo]
+      (PER_BLOCK + p.spec, p) for p in blocks] + [(p.spec, p) for p in todo]
   if progress:
     from tqdm import tqdm
     todo = tqdm(todo, desc='compiling', unit='program', file=sys.stderr)
   results = {}
   for label, policy in todo:
     is_ref = label == reference_label and reference is not None
-    program = policy if is_ref else build(policy)
+    context = contextlib.nullcontext()
+    if is_ref and reference == 'unrolled':
+      program, context = build(get_policy('none')), unrolled_reference()
+    elif label.startswith(PER_BLOCK):
+      program, context = build(get_policy('none')), per_block_reference(policy)
+    else:
+      program = policy if is_ref else build(policy)
     args = tuple(reference_args) if is_ref and reference_args is not None else example_args
-    results[label] = measure_policy(program, *args, spec=label, target=target,
-                                    time=time, time_steps=time_steps)
+    with context:   # the yardsticks are traced (compiled, FLOP-counted, residuals read) inside
+      results[label] = measure_policy(program, *args, spec=label, target=target,
+                                      time=time, time_steps=time_steps)
   return Report(results, target, reference_label if reference is not None else 'none',
                 reference_args is not None)

@@ -25,6 +25,7 @@ import jax
 from flax import nnx
 
 from remat import patterns
+from remat.layout import check_layout
 from remat.policies import Policy
 from remat.stack_checks import (StackSignatureError, check_keywords, check_policy, check_signature,
                                 check_stacked, note_layer_call, per_layer_scalars, split_output,
@@ -67,7 +68,8 @@ class NNXStack(nnx.Module):
 
   def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module] | Mapping[str, Callable],
                num_layers: int, policy: Policy | str = 'none', *, rngs: nnx.Rngs,
-               strict: bool = True, pattern: Sequence[Hashable] | None = None):
+               strict: bool = True, pattern: Sequence[Hashable] | None = None,
+               layout: str = 'auto'):
     """Creates the stack.
 
     Args:
@@ -89,13 +91,17 @@ class NNXStack(nnx.Module):
         with name :func:`remat.patterns.kind_name` of k (an enum member's
         ``name``), and segmentings count repeats of the pattern
         (:mod:`remat.patterns`).
+      layout: how the blocks become a program (:data:`remat.layout.LAYOUTS`):
+        'scan', 'unrolled', 'loops', 'groups', or 'auto' (per target and
+        policy). The state is the same under every layout.
 
     Raises:
-      PolicyError: a bad spec or a segment size outside 1..N.
+      PolicyError: a bad spec, layout or a segment size outside 1..N.
       StackSignatureError: a pattern whose kinds do not match ``make_block``'s.
     """
     self.num_layers = num_layers
     self.strict = strict
+    self.layout = check_layout(layout)
     if pattern is not None:
       if not isinstance(make_block, Mapping):
         raise StackSignatureError('NNXStack with a pattern takes make_block as a mapping kind -> '
@@ -190,11 +196,13 @@ class NNXStack(nnx.Module):
       tags |= kind_tags
     if self.strict and policy.uses_tags:
       policy.validate(tags=tags)
+    layout = self.layout
     if pattern is None:
-      y, (auxs, new_rest) = patterns.run_stack(steps[None], x, stacked[None], n, policy)
+      y, (auxs, new_rest) = patterns.run_stack(steps[None], x, stacked[None], n, policy,
+                                               layout=layout)
       nnx.update(self.layers, new_rest)
     else:
-      y, outs = patterns.run_stack(steps, x, stacked, n, policy, pattern)
+      y, outs = patterns.run_stack(steps, x, stacked, n, policy, pattern, layout=layout)
       # Keyed by kind name: the outputs are pytrees, and an enum kind need not be orderable.
       auxs = {patterns.kind_name(k): o[0] for k, o in outs.items()}
       for k, o in outs.items():

@@ -33,7 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from remat.policies import Policy, sqrt_segment_size
-from remat.layout import lean_saveable
+from remat import unrolled_blocks
+from remat.unrolled import batched
+from remat.layout import active_reference, lean_saveable, resolve_layout
 from remat.segments import Unit, checkpointed, layer_unit, run_units
 from remat.stack_checks import StackSignatureError
 
@@ -150,12 +152,16 @@ def kind_indices(pattern: Sequence[Hashable], num_layers: int) -> dict[Hashable,
 
 
 def run_stack(steps: Callable | Mapping[Hashable, Callable], x, xs, num_layers: int,
-              policy: Policy, pattern: tuple | None = None):
+              policy: Policy, pattern: tuple | None = None, layout: str = 'scan'):
   """Runs a stack: one layer per unit without a pattern, one repeat of it per unit with one.
 
-  Both go through :func:`remat.segments.run_units`, which applies the
-  per-layer rule to every layer of a unit and segments over units, so a
-  pattern honours every spec exactly as a plain stack does.
+  Under the ``scan`` layout both go through :func:`remat.segments.run_units`,
+  which applies the per-layer rule to every layer of a unit and segments over
+  units, so a pattern honours every spec exactly as a plain stack does; the
+  other layouts through :mod:`remat.unrolled_blocks`, with the same units. Inside
+  :func:`remat.layout.unrolled_reference` or
+  :func:`remat.layout.per_block_reference` the stack is the user's Python loop
+  under the reference's rule, whatever ``policy`` and ``layout`` say.
 
   Args:
     steps: ``step(x, xs_i) -> (x, ys_i)``; with a pattern, a mapping kind -> step.
@@ -165,20 +171,45 @@ def run_stack(steps: Callable | Mapping[Hashable, Callable], x, xs, num_layers: 
     num_layers: N.
     policy: the policy (its segmenting and mix counts are in repeats of the pattern).
     pattern: the kind of layer i is ``pattern[i % len(pattern)]``; None for one kind.
+    layout: 'scan', 'unrolled', 'loops', 'groups' or 'auto' (:mod:`remat.layout`:
+      chosen here, per target, policy and whether the stack runs inside ``jax.vmap``).
 
   Returns:
     ``(x, ys)``: ``ys`` stacked ``[N, ...]``, or a mapping kind -> ``[n_kind, ...]``.
   """
+  lean = True
+  layout = resolve_layout(layout, policy, num_units(pattern, num_layers), batched(x))
+  reference = active_reference()
+  if reference is not None:   # a yardstick: the user's loop, per-layer checkpoints of its rule
+    policy, layout, lean = reference, 'unrolled', False
   if pattern is None:
+    if layout != 'scan':
+      return unrolled_blocks.run_plain(layer_unit(steps), x, xs, num_layers, policy, layout, lean)
     return run_units(layer_unit(steps), x, xs, num_layers, policy)
   # Kinds become their numbers inside: the mappings below are pytrees, whose keys JAX sorts, and
   # an enum member (a kind) need not be orderable.
   kinds = list(dict.fromkeys(pattern))
   number = {k: i for i, k in enumerate(kinds)}
-  x, ys = _run_pattern({number[k]: s for k, s in steps.items()}, x,
-                       {number[k]: v for k, v in xs.items()}, num_layers, policy,
-                       tuple(number[k] for k in pattern))
+  steps = {number[k]: s for k, s in steps.items()}
+  xs = {number[k]: v for k, v in xs.items()}
+  pattern = tuple(number[k] for k in pattern)
+  if layout != 'scan':
+    x, ys = _run_pattern_blocks(steps, x, xs, num_layers, policy, pattern, layout, lean)
+  else:
+    x, ys = _run_pattern(steps, x, xs, num_layers, policy, pattern)
   return x, {kinds[i]: v for i, v in ys.items()}
+
+
+def _run_pattern_blocks(steps, x, xs, num_layers: int, policy: Policy, pattern: tuple,
+                        layout: str, lean: bool):
+  """:func:`run_stack` with a pattern under a layout other than the scan."""
+  period = collections.Counter(pattern)
+  reps, rem = divmod(num_layers, len(pattern))
+  head = collections.Counter(pattern[:rem])
+  units = reps + (1 if rem else 0)
+  counts = {k: [c] * reps + ([head[k]] if rem else []) for k, c in period.items()}
+  return unrolled_blocks.run(repeat_unit(steps, pattern), x, xs, counts, units, policy, layout,
+                             lean, tail_unit=repeat_unit(steps, pattern[:rem]) if rem else None)
 
 
 def _run_pattern(steps, x, xs, num_layers: int, policy: Policy, pattern: tuple):
@@ -268,9 +299,9 @@ def repeat_unit(steps: Mapping[Hashable, Callable], kinds: tuple) -> Unit:
     else:
       runs.append([kind, sum(r[2] for r in runs if r[0] == kind), 1])
 
-  def unit(rule, prevent_cse: bool) -> Callable:
+  def unit(rule, prevent_cse: bool, flat: bool = False) -> Callable:
     order = []
-    inner = rule not in _KEEP_MATMULS
+    inner = not flat and rule not in _KEEP_MATMULS
     for kind, first, length in runs:
       if inner and length > 1 and length == per_repeat[kind]:
         order.append((kind, True, _scanned(steps[kind], rule)))

@@ -137,9 +137,15 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--policies', default=','.join(DEFAULT_POLICIES),
                  help="specs separated by ',' (by ';' when a spec holds ','); "
                       f"'none' is always added (default: {','.join(DEFAULT_POLICIES)})")
-  p.add_argument('--reference', metavar='package.module:factory',
+  p.add_argument('--reference', metavar='package.module:factory|unrolled',
                  help='your untouched model: factory() returns its loss (or TrainStep) on the '
-                      "example arguments of --fn; the first row, and every ratio is to it")
+                      "example arguments of --fn; the first row, and every ratio is to it. "
+                      "'unrolled': build's own model with every stack a Python loop and no "
+                      'checkpoint (remat.layout.unrolled_reference)')
+  p.add_argument('--per-block', metavar='RULE,...', default='',
+                 help="per-layer rules (full,dots): a row per rule, build's model with each layer "
+                      'in jax.checkpoint(policy=RULE) in a Python loop (the nn.remat habit; '
+                      'remat.layout.per_block_reference), beside the stack under that rule')
   p.add_argument('--target', default='cpu', help=f"compile for: {', '.join(TARGETS)}")
   p.add_argument('--time', action='store_true',
                  help='also run each program (median of 5 after 2 warm-up; local backend only)')
@@ -186,10 +192,11 @@ def main(argv=None) -> int:
     kind = 'train step' if isinstance(build(_none()), TrainStep) else 'value_and_grad of loss'
     header = (f'# {kind}, {args.fn}, target {target.name} ({target.description}), compile only'
               f'{" + timed on the local backend" if args.time else ""} (jax {jax.__version__})')
-    reference, reference_args = load_reference(args.reference) if args.reference else (None, None)
+    reference, reference_args = (None, None) if not args.reference else (
+        ('unrolled', None) if args.reference == 'unrolled' else load_reference(args.reference))
     report = measure(build, *example_args, policies=parse_specs(args.policies), target=target,
                      time=args.time, progress=True, reference=reference,
-                     reference_args=reference_args)
+                     reference_args=reference_args, per_block=parse_specs(args.per_block))
   except (PolicyError, TargetError, ValueError) as e:
     print(f'{PROG}: error: {e}', file=sys.stderr)
     return 2

@@ -41,14 +41,15 @@ import jax
 import jax.numpy as jnp
 
 from remat import shared_outputs
-from remat.layout import lean_saveable, run_unrolled, unrolled_active
+from remat.layout import lean_saveable
 from remat.policies import Policy
 
 _nothing = jax.checkpoint_policies.nothing_saveable
 
-# unit(rule, prevent_cse) -> step(x, xs_u) -> (x, ys_u): one unit, the rule (a jax.checkpoint
-# policy, or None for no checkpoint) applied to each of its layers.
-Unit = Callable[[Callable | None, bool], Callable]
+# unit(rule, prevent_cse, flat=False) -> step(x, xs_u) -> (x, ys_u): one unit, the rule (a
+# jax.checkpoint policy, or None for no checkpoint) applied to each of its layers; flat: no loop
+# inside the unit (a pattern's run of one kind is then its layers in turn, not an inner scan).
+Unit = Callable[..., Callable]
 
 
 def checkpointed(step: Callable, rule: Callable | None, prevent_cse: bool) -> Callable:
@@ -58,7 +59,7 @@ def checkpointed(step: Callable, rule: Callable | None, prevent_cse: bool) -> Ca
 
 def layer_unit(step: Callable) -> Unit:
   """The unit of a plain stack: one layer, ``step(x, xs_i) -> (x, ys_i)``."""
-  return lambda rule, prevent_cse: checkpointed(step, rule, prevent_cse)
+  return lambda rule, prevent_cse, flat=False: checkpointed(step, rule, prevent_cse)
 
 
 def _first(tree):
@@ -88,8 +89,8 @@ def run_units(unit: Unit, x, xs, num_units: int, policy: Policy):
   """Runs U units in order as ``policy`` says: the per-layer rule inside, segments outside.
 
   Args:
-    unit: ``unit(rule, prevent_cse)`` builds one unit's step ``step(x, xs_u)
-      -> (x, ys_u)`` with ``rule`` applied to each layer in it
+    unit: ``unit(rule, prevent_cse, flat=False)`` builds one unit's step
+      ``step(x, xs_u) -> (x, ys_u)`` with ``rule`` applied to each layer in it
       (:func:`layer_unit` for a plain stack).
     x: the carry (the activations). With U == 1 the unit may change its shape.
     xs: a pytree of per-unit inputs stacked ``[U, ...]`` (may be empty).
@@ -101,8 +102,6 @@ def run_units(unit: Unit, x, xs, num_units: int, policy: Policy):
   Returns:
     ``(x, ys)`` as from ``lax.scan``: ``ys`` stacked ``[U, ...]``.
   """
-  if unrolled_active():  # the measuring reference: the user's loop, no checkpoint
-    return run_unrolled(unit(None, True), x, xs, num_units)
   if policy.mixed:
     return _run_mix(unit, x, xs, num_units, policy)
   layer_rule = policy._layer_policy()

@@ -43,6 +43,7 @@ import flax.linen as nn
 import jax
 
 from remat import patterns
+from remat.layout import check_layout
 from remat.policies import Policy
 from remat.stack_checks import (StackSignatureError, check_keywords, check_policy, check_signature,
                                 check_stacked, note_layer_call, per_layer_scalars, split_output,
@@ -112,6 +113,9 @@ class LayerStack(nn.Module):
       partitioned variables: a logical name for ``nn.with_logical_partitioning``
       ('layers'), or None for ``nn.with_partitioning``'s mesh axis names (the
       layer axis then stays unsharded).
+    layout: how the blocks become a program (:data:`remat.layout.LAYOUTS`):
+      'scan', 'unrolled', 'loops', 'groups', or 'auto' (per target and
+      policy). The variables are the same under every layout.
 
   The stacked variables live under ``<this module>/block`` (``<this module>/<kind>``
   with a pattern).
@@ -123,6 +127,7 @@ class LayerStack(nn.Module):
   strict: bool = True
   pattern: Sequence[Hashable] | None = None
   partition_name: str | None = 'layers'
+  layout: str = 'auto'
 
   @nn.compact
   def __call__(self, x, *args, xs=None, deterministic: bool = True, xs_kwargs=None):
@@ -152,6 +157,7 @@ class LayerStack(nn.Module):
         them, an unstacked checkpoint).
     """
     n, pattern = self.num_layers, self.pattern
+    check_layout(self.layout)
     xs, xs_kwargs = per_layer_scalars(xs), per_layer_scalars(xs_kwargs)
     if pattern is None:
       classes, kwargs, per_layer = {'block': self.block_cls}, {'block': self.block_kwargs}, \
@@ -223,11 +229,13 @@ class LayerStack(nn.Module):
       tags |= kind_tags
     if self.strict and policy.uses_tags:
       policy.validate(tags=tags)
+    layout = self.layout
     if pattern is None:
-      y, (auxs, new) = patterns.run_stack(steps['block'], x, stacked['block'], n, policy)
+      y, (auxs, new) = patterns.run_stack(steps['block'], x, stacked['block'], n, policy,
+                                          layout=layout)
       auxs, new = {'block': auxs}, {'block': new}
     else:
-      y, outs = patterns.run_stack(steps, x, stacked, n, policy, pattern)
+      y, outs = patterns.run_stack(steps, x, stacked, n, policy, pattern, layout=layout)
       # Keyed by kind name: the outputs are pytrees, and an enum kind need not be orderable.
       auxs = {names[k]: o[0] for k, o in outs.items()}
       new = {k: o[1] for k, o in outs.items()}

@@ -16,6 +16,8 @@ from typing import Any
 from remat.memory import format_bytes
 from remat.residuals import by_source, by_tag
 
+# The label of a per-block yardstick row (remat.measure(per_block=...)): 'per-block:full'.
+PER_BLOCK = 'per-block:'
 LEGEND = ('# temp/peak/host: XLA memory plan; residual: bytes saved for backward (jaxpr); '
           'recompute: matmul+conv FLOPs / none; * = Pareto front (temp vs recompute)')
 OFFLOAD_NOTE = ('# offload policies: host offload is a no-op on the CPU backend, so they show no '
@@ -43,6 +45,8 @@ def rows(results: dict[str, Any], baseline: str = 'none') -> list[dict]:
   base = results[baseline]
   ratio = lambda a, b: (a / b) if a is not None and b else None
   front = pareto_front({s: (m.memory.temp, m.flops.flops) for s, m in results.items()})
+  # A stack row beside the per-block yardstick of its rule: 'full' beside 'per-block:full'.
+  per_block = {s[len(PER_BLOCK):]: m for s, m in results.items() if s.startswith(PER_BLOCK)}
   out = []
   for spec, m in results.items():
     out.append({
@@ -56,6 +60,8 @@ def rows(results: dict[str, Any], baseline: str = 'none') -> list[dict]:
         'peak_ratio': ratio(m.memory.peak, base.memory.peak), 'baseline': baseline,
         'recompute_ratio': ratio(m.flops.flops, base.flops.flops),
         'step_seconds': m.step_seconds, 'time_ratio': ratio(m.step_seconds, base.step_seconds),
+        'per_block_ratio': ratio(m.memory.temp, per_block[spec].memory.temp)
+        if spec in per_block else None,
         'pareto': spec in front})
   return out
 
@@ -68,10 +74,12 @@ def format_table(table: list[dict], header: str, timed: bool) -> str:
   ``mem/none`` and ``recompute``, as they always were.
   """
   ref = bool(table) and table[0].get('baseline', 'none') != 'none'
+  pb = any(r.get('per_block_ratio') is not None for r in table)
   cols = f"{'policy':<26}{'temp':>11}{'peak':>11}{'residual':>11}{'host':>12}"
   cols += f"{'temp/ref':>9}{'peak/ref':>9}{'flops/ref':>10}" if ref else \
       f"{'mem/none':>9}{'recompute':>10}"
   cols += f"{'time':>8}" if timed else ''
+  cols += f"{'temp/pb':>9}" if pb else ''
   lines = [header, cols + '  pareto']
   for r in table:
     line = (f"{r['policy']:<26}{format_bytes(r['temp']):>11}{format_bytes(r['peak']):>11}"
@@ -80,6 +88,9 @@ def format_table(table: list[dict], header: str, timed: bool) -> str:
             + f"{r['recompute_ratio']:>9.3f}x")
     if timed:
       line += f"{r['time_ratio']:>7.2f}x"
+    if pb:
+      line += (f"{r['per_block_ratio']:>8.1%}" if r.get('per_block_ratio') is not None
+               else ' ' * 9)
     lines.append(line + ('  *' if r['pareto'] else ''))
   return '\n'.join(lines)
 
@@ -91,7 +102,12 @@ def footer(table: list[dict], target_name: str) -> list[str]:
   if table and table[0].get('baseline', 'none') != 'none':
     lines.append(f"# temp/ref, peak/ref, flops/ref and time: ratios to '{table[0]['baseline']}', "
                  'your untouched function (the first row), not to the stack under none')
-  specs = [r['policy'] for r in table if r['policy'] != r.get('baseline', 'none')] + ['none']
+  if any(r['policy'].startswith(PER_BLOCK) for r in table):
+    lines.append('# per-block:RULE: the same model, each layer in jax.checkpoint(policy=RULE) in a '
+                 'Python loop (the one-line nn.remat habit); temp/pb: a row against the '
+                 'per-block row of its rule')
+  specs = [r['policy'] for r in table if r['policy'] != r.get('baseline', 'none')
+           and not r['policy'].startswith(PER_BLOCK)] + ['none']
   if target_name == 'cpu' and any(get_policy(s).offloads for s in specs):
     lines.append(OFFLOAD_NOTE)
   return lines

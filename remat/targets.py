@@ -49,6 +49,11 @@ class Target:
   device_memory: int | None = None
 
   @property
+  def platform(self) -> str:
+    """'gpu' for a planned GPU, else the local backend's name: what an 'auto' layout is chosen for."""
+    return 'gpu' if self.sharding is not None else jax.default_backend()
+
+  @property
   def compiler_options(self) -> dict:
     """XLA options for this target (see :data:`CPU_COMPILER_OPTIONS`)."""
     return compiler_options() if self.sharding is None else {}

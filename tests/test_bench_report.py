@@ -29,6 +29,24 @@ def test_json_schema(tmp_path, capsys):
   assert (tmp_path / 'r.png').stat().st_size > 10_000
 
 
+def test_yardsticks_rows_and_layout(tmp_path, capsys):
+  """--reference unrolled --per-block full: the two yardsticks first, temp/pb beside full; --layout stamped."""
+  out = tmp_path / 'r.json'
+  code = report.main(['--config', 'tiny', '--batch-size', '2', '--seq-len', '16', '--policies',
+                      'full', '--reference', 'unrolled', '--per-block', 'full', '--layout',
+                      'unrolled', '--json', str(out)])
+  assert code == 0
+  text = capsys.readouterr().out
+  assert 'layout unrolled' in text.splitlines()[0] and 'temp/pb' in text
+  data = json.loads(out.read_text())
+  assert data['environment']['layout'] == 'unrolled'
+  rows = {r['policy']: r for r in data['policies']}
+  assert list(rows) == ['reference', 'per-block:full', 'none', 'full']
+  assert rows['reference']['memory_ratio'] == 1.0
+  assert rows['full']['per_block_ratio'] == rows['full']['temp'] / rows['per-block:full']['temp']
+  assert rows['per-block:full']['flops'] == rows['full']['flops']   # the same rule recomputes
+
+
 @pytest.mark.parametrize('argv,needle', [
     (['--model', 'bert'], "unknown model 'bert'; valid: gpt, llama, vit, resnet"),
     (['--model', 'vit', '--config', 'tiny'], '--model vit does not match config tiny'),
@@ -56,6 +74,8 @@ def test_json_schema(tmp_path, capsys):
     (['--mesh', 'fsdp=2', '--fit'], '--mesh plans the policy table only: drop --sweep, --fit'),
     (['--fused-update', '--sweep', 'depth=2,4'], '--fused-update measures the policy table only'),
     (['--config', 'tiny', '--fused-update'], 'the fused update runs deterministic models only'),
+    (['--layout', 'unroled'], "unknown layout 'unroled'; valid: auto, scan, unrolled, loops, groups"),
+    (['--per-block', 'sqrt'], '--per-block takes per-layer rules that checkpoint'),
 ])
 def test_errors_are_one_line(argv, needle, capsys):
   assert report.main(argv) == 2

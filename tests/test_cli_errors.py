@@ -28,6 +28,8 @@ TRAIN = str(ROOT / 'train.py')
     # A value of the right type that the run cannot use: checked by the run's settings (the
     # same check as a config file's value), before anything is read, compiled or written.
     ([TRAIN, '--batch-size', '-1'], 'train.py: error: --batch-size must be >= 1, got -1'),
+    ([TRAIN, '--layout', 'unroled'], "train.py: error: unknown layout 'unroled'; valid: auto, "
+     'scan, unrolled, loops, groups'),
     (['-m', 'bench.report', '--batch-size', 'abc'],
      "bench.report: --batch-size: 'abc' is not an integer (see --help)"),
     (['-m', 'remat.report', '--fn', 'user_mlp:factory', '--num-layers', 'abc'],

@@ -29,3 +29,13 @@ def test_docs_have_snippets():
 @pytest.mark.parametrize('code', list(_snippets()))
 def test_snippet_runs(code):
   exec(compile(code, '<snippet>', 'exec'), {'__name__': '__snippet__'})
+
+
+def test_no_merge_conflict_markers_in_tracked_text():
+  """A merge left '<<<<<<< HEAD' in docs/measuring.md once; no tracked text file keeps one."""
+  import subprocess
+  files = subprocess.run(['git', 'ls-files', '*.md', '*.py', '*.json', '*.toml', '*.txt'],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+  marker = re.compile(r'^(<{7} |>{7} |={7}$)', re.M)
+  bad = [f for f in files if (ROOT / f).is_file() and marker.search((ROOT / f).read_text())]
+  assert not bad, bad

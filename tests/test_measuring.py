@@ -1,5 +1,6 @@
 """remat.measure on a user's own function: the table, memory order, exact FLOP ratios, residuals."""
 
+import contextlib
 import jax
 import jax.numpy as jnp
 import pytest
@@ -123,3 +124,71 @@ def test_reference_on_its_own_tree():
   assert "'reference' measured on its own arguments (reference_args)" in report.table()
   with pytest.raises(ValueError, match='without a reference'):
     remat.measure(user_mlp.build, *user_mlp.example_args(), reference_args=own)
+
+
+def _stack_build(policy):
+  """The user's MLP on remat.scan_layers (its layers stacked), for the stack's own yardsticks."""
+  def layer(w, h):
+    return h + jnp.tanh(h @ w[0]) @ w[1]
+  return lambda params, x: jnp.mean(remat.scan_layers(layer, params, x, policy=policy) ** 2)
+
+
+def test_per_block_rows_beside_the_stack():
+  """per_block=[...]: the per-block nn.remat yardstick of each rule, and temp/pb of the stack's rows."""
+  from remat.layout import unrolled_reference
+  from remat.measuring import step_memory
+  args = user_mlp.example_args()
+  report = remat.measure(_stack_build, *args, policies=['full', 'dots', 'sqrt'],
+                         reference='unrolled', per_block=['full', 'dots'])
+  assert list(report.results) == ['reference', 'per-block:full', 'per-block:dots', 'none',
+                                  'full', 'dots', 'sqrt']
+  res = report.results
+  with unrolled_reference():
+    assert res['reference'].memory == step_memory(_stack_build(remat.get_policy('none')), *args)
+  # The yardsticks recompute what their rule recomputes: the stack's FLOPs under the same rule.
+  assert res['per-block:full'].flops.flops == res['full'].flops.flops
+  assert res['per-block:dots'].flops.flops == res['dots'].flops.flops
+  rows = {r['policy']: r for r in report.rows()}
+  assert rows['full']['per_block_ratio'] == res['full'].memory.temp / res[
+      'per-block:full'].memory.temp
+  assert rows['sqrt']['per_block_ratio'] is None and rows['none']['per_block_ratio'] is None
+  text = report.table()
+  assert 'temp/pb' in text.splitlines()[2]
+  assert any(line.startswith('# per-block:RULE') for line in
+             remat.table.footer(report.rows(), 'cpu'))
+  for bad in ('sqrt', 'none', '2xfull+none'):
+    with pytest.raises(remat.PolicyError, match='per-layer rules'):
+      remat.measure(_stack_build, *args, per_block=[bad])
+
+
+def test_per_block_yardstick_keeps_what_its_rule_keeps():
+  """The yardsticks' saved bytes (jaxpr, any backend): full < dots < the unrolled model's, as the rules say."""
+  report = remat.measure(_stack_build, *user_mlp.example_args(), policies=['full'],
+                         reference='unrolled', per_block=['full', 'dots'])
+  kept = {s: m.residual_bytes for s, m in report.results.items()}
+  assert kept['per-block:full'] < kept['per-block:dots'] < kept['reference']
+
+
+@pytest.mark.gpu_plan
+def test_per_block_yardstick_orders_on_a_gpu_plan_and_unrolled_is_it():
+  """On the H100 plan, where checkpoints outside loops are kept: per-block full < dots < unrolled.
+
+  The stack under layout='unrolled' is that habit: each rule plans what its yardstick plans.
+  """
+  from remat.layout import per_block_reference, unrolled_reference
+  from remat.measuring import step_memory
+  k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+  args = ((jax.random.normal(k1, (8, D, H)) * 0.1, jax.random.normal(k2, (8, H, D)) * 0.1),
+          jnp.ones((B, D)))   # 8 layers of the user's MLP
+
+  def temp(spec, layout='scan', context=contextlib.nullcontext()):
+    def layer(w, h):
+      return h + jnp.tanh(h @ w[0]) @ w[1]
+    loss = lambda params, x: jnp.mean(
+        remat.scan_layers(layer, params, x, policy=spec, layout=layout) ** 2)
+    with context:
+      return step_memory(loss, *args, target='h100').temp
+  ref, full, dots = (temp('none', context=c) for c in (
+      unrolled_reference(), per_block_reference('full'), per_block_reference('dots')))
+  assert full < dots < ref
+  assert temp('full', 'unrolled') == full and temp('dots', 'unrolled') == dots

@@ -83,3 +83,21 @@ class OneLineParser(argparse.ArgumentParser):
     # argparse says 'argument --steps: ...'; the flag alone is enough.
     message = ' '.join(message.split()).removeprefix('argument ')
     self.exit(2, f'{name}: {message} (see --help)\n')
+
+
+def add_lora_flags(p: argparse.ArgumentParser):
+  """``--lora`` and its companions (train.py and bench.report take the same; docs/finetuning.md)."""
+  p.add_argument('--lora', type=int, default=None, metavar='RANK',
+                 help='train LoRA adapters of this rank on a frozen base (stored in the compute '
+                      'dtype: no float32 copy, no gradient, no optimizer state); default: every '
+                      'parameter trains')
+  p.add_argument('--lora-alpha', type=float, default=None, metavar='ALPHA',
+                 help='adapter outputs are scaled by ALPHA / RANK (default: 2 x RANK)')
+  p.add_argument('--lora-dropout', type=float, default=None, metavar='P',
+                 help="dropout on the adapters' inputs in training (default: 0)")
+  p.add_argument('--lora-targets', default=None, metavar='NAME,...',
+                 help='the projections that get adapters, by name (q_proj, mlp/c_fc, ...; a wrong '
+                      'name lists them) (default: every attention and MLP projection)')
+  p.add_argument('--quantize', default=None, metavar='int8|nf4',
+                 help='QLoRA: store the frozen base quantized (blocks of 64 weights), dequantized '
+                      'layer by layer inside the remat region; with --lora')

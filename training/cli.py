@@ -7,9 +7,10 @@ import dataclasses
 import sys
 
 from configs import DEFAULT_CONFIG, config_names
+from remat.layout import LAYOUTS
 from remat.policies import PolicyError, list_policies
 from remat.targets import prefer_cpu_without_gpu
-from training.arguments import DefaultsHelpFormatter, OneLineParser
+from training.arguments import DefaultsHelpFormatter, OneLineParser, add_lora_flags
 from training.data import DataError
 from training.data.text_source import load_named
 from training.run import bounds
@@ -68,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "auto:Fx (auto:0.6x of none's plan) or auto (a GPU's pool), resolved to the "
                       "policy of least recompute that fits (docs/auto.md); 'list' prints them all "
                       "(default: sqrt, or the resumed run's)")
+  p.add_argument('--layout', default=None, metavar='LAYOUT',
+                 help=f"how the layer stack becomes a program: {', '.join(LAYOUTS)} (auto: the "
+                      'scan on CPU, chosen per policy on a GPU; the parameters are the same under '
+                      "every layout; docs/own-model.md) (default: auto, or the resumed run's)")
   p.add_argument('--model', default=None, metavar='MODEL',
                  help=f"model family: {', '.join(DEFAULT_CONFIG)}; picks its default config "
                       f"({', '.join(f'{k}: {v}' for k, v in DEFAULT_CONFIG.items())})")
@@ -131,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help='start from the weights of a Hugging Face save_pretrained folder (GPT-2, '
                       'Llama, ViT, ResNet; safetensors); without --config, the shipped config of '
                       'its shape, else one built from its config.json (--config hf:PATH)')
+  add_lora_flags(p)
   meshlib.add_flags(p)
   p.add_argument('--tensorboard', action='store_true', default=None,
                  help='also write the metric rows (learning rate included) as TensorBoard scalars '

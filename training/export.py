@@ -12,6 +12,13 @@ Writes what ``save_pretrained`` writes, so ``transformers``' ``from_pretrained``
   copied from the run folder; a byte-level run has none) and any files the
   family registers in :data:`models.hf.export.EXTRA_FILES`.
 
+A LoRA run (``train.py --lora``) exports merged by default: its adapters
+folded into the base it trained on (``W + alpha / r * A @ B``; a QLoRA base
+dequantized first), a full model like any other. ``--adapter`` writes the
+adapters alone as a PEFT folder instead (``adapter_config.json``,
+``adapter_model.safetensors``: :mod:`models.hf.export_adapter`), for
+``peft.PeftModel.from_pretrained(base, OUT_DIR)`` on the base checkpoint.
+
 The folder is written under a temporary name beside ``OUT_DIR`` and renamed
 when complete: a failure leaves nothing behind. Errors are one line on stderr
 with exit status 2: a missing or damaged run, an existing non-empty
@@ -21,6 +28,7 @@ with exit status 2: a missing or damaged run, an existing non-empty
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import json
 import math
@@ -81,17 +89,23 @@ def write_weights(folder: Path, state_dict: dict[str, np.ndarray], max_bytes: in
 
 def export(run_dir, out_dir, dtype: str = 'float32', max_shard_bytes: int = DEFAULT_SHARD_BYTES,
            log=print, warn=lambda m: print(f'training.export: warning: {m}', file=sys.stderr),
-           which: str | None = None) -> Path:
+           which: str | None = None, adapter: bool = False, base_from=None) -> Path:
   """Writes the Hugging Face folder of ``run_dir``'s best step (``--keep-best``) or latest
   checkpoint (``which``: :func:`training.run.saved_run.load_run`) to ``out_dir``.
+
+  Args:
+    adapter: write a LoRA run's adapters as a PEFT folder (module docstring).
+    base_from: a LoRA run's base folder, if it moved since training.
 
   Raises:
     ExportError, RunReadError: one line.
   """
   from models.hf import export_vision as vision
   from models.hf.export import EXTRA_FILES, WRITERS
+  from models.lora import params as lora_params
+  from models.tasks import Task
   from training.data.text_source import RUN_TOKENIZER_DIR
-  from training.data.tokenizer import COMPANION_FILES, TOKENIZER_FILE, load_tokenizer
+  from training.data.tokenizer import TOKENIZER_FILE, load_tokenizer
   from training.run.saved_run import load_run
   if dtype not in DTYPES:
     raise ExportError(f"--dtype {dtype}: valid: {', '.join(DTYPES)}")
@@ -101,7 +115,14 @@ def export(run_dir, out_dir, dtype: str = 'float32', max_shard_bytes: int = DEFA
   if out.exists() and (not out.is_dir() or any(out.iterdir())):
     raise ExportError(f"'{out}' already exists and is not an empty folder; give a new OUT_DIR")
   _check_writable(out)   # before the checkpoint is read: a wrong OUT_DIR costs nothing
-  run = load_run(run_dir, warn, which)
+  if adapter:
+    return _export_adapter(run_dir, out, dtype, log, warn, which)
+  run = load_run(run_dir, warn, which, base_from=base_from, log=log)
+  merged = f' with its {run.lora.describe()} merged' if run.lora is not None else ''
+  if run.lora is not None:   # the adapters folded into the base: the model as it was trained
+    run = dataclasses.replace(run, task=Task(dataclasses.replace(run.task.config, lora=None)),
+                              variables={**run.variables, 'params': lora_params.merged(
+                                  run.variables['params'], run.lora, run.task.arch)})
   arch = run.task.arch
   data = run.meta.get('data') or {}
   extra = EXTRA_FILES.get(arch, lambda _: {})(run.task.config)
@@ -125,21 +146,43 @@ def export(run_dir, out_dir, dtype: str = 'float32', max_shard_bytes: int = DEFA
   if (tok_dir / TOKENIZER_FILE).is_file():
     tok = load_tokenizer(tok_dir / TOKENIZER_FILE)
     hf_config.update({'eos_token_id': tok.eot_id, 'bos_token_id': _bos(tok_dir, tok)})
-  try:
-    files = _write_folder(out, hf_config, state_dict, max_shard_bytes, tok_dir, tok, extra)
-  except Exception as e:  # pylint: disable=broad-except  (safetensors raises its own type)
-    # A full disk or a read-only file system; the temporary folder was removed.
-    if 'No space left on device' in str(e) or getattr(e, 'errno', None) in (errno.ENOSPC,
-                                                                             errno.EDQUOT):
-      raise ExportError(f"no space left on device writing {out}; nothing was exported: free "
-                        'space there, or give an OUT_DIR elsewhere') from None
-    if isinstance(e, OSError):
-      raise ExportError(f"cannot write '{e.filename or out}': {e.strerror or e}; nothing was "
-                        'exported') from None
-    raise
+
+  def weights(tmp: Path) -> list[str]:
+    (tmp / 'config.json').write_text(json.dumps(hf_config, indent=2) + '\n')
+    return ['config.json'] + write_weights(tmp, state_dict, max_shard_bytes)
+  files = _write_folder(out, run_dir, weights, extra)
   size = sum(a.nbytes for a in state_dict.values())
-  log(f'exported {run.described} of {run_dir} ({arch}, {size / 2**20:.1f} MiB of {dtype} '
+  log(f'exported {run.described} of {run_dir} ({arch}{merged}, {size / 2**20:.1f} MiB of {dtype} '
       f"weights) to {out}: {', '.join(files)}")
+  return out
+
+
+def _export_adapter(run_dir, out: Path, dtype: str, log, warn, which=None) -> Path:
+  """Writes a LoRA run's adapters as a PEFT folder (module docstring)."""
+  from models.hf.export_adapter import AdapterExportError, peft_adapter
+  from safetensors.numpy import save_file
+  from training.run.saved_run import load_run
+  run = load_run(run_dir, warn, which, base=False)   # the adapters alone: no base needed
+  if run.lora is None:
+    raise ExportError(f"'{run_dir}' was trained without --lora, so it has no adapters; export "
+                      'the whole model without --adapter')
+  cfg = run.task.config
+  try:
+    state_dict, adapter_config = peft_adapter(run.variables['params'], run.lora, run.task.arch,
+                                              cfg.num_layers,
+                                              (run.meta.get('base') or {}).get('init_from'))
+  except AdapterExportError as e:
+    raise ExportError(str(e)) from None
+  state_dict = {k: np.ascontiguousarray(v, DTYPES[dtype]) for k, v in state_dict.items()}
+
+  def weights(tmp: Path) -> list[str]:
+    (tmp / 'adapter_config.json').write_text(json.dumps(adapter_config, indent=2) + '\n')
+    save_file(state_dict, str(tmp / 'adapter_model.safetensors'), metadata={'format': 'pt'})
+    return ['adapter_config.json', 'adapter_model.safetensors']
+  files = _write_folder(out, run_dir, weights, {})
+  size = sum(a.nbytes for a in state_dict.values())
+  log(f'exported the LoRA adapters of {run.described} of {run_dir} ({run.lora.describe()}; '
+      f'{size / 2**20:.1f} MiB of {dtype}) as a PEFT folder to {out}: {", ".join(files)}')
   return out
 
 
@@ -155,22 +198,24 @@ def _check_writable(out: Path):
                       'read-only file system); give another OUT_DIR')
 
 
-def _write_folder(out: Path, hf_config: dict, state_dict: dict, max_shard_bytes: int,
-                  tok_dir: Path, tok, extra: dict) -> list[str]:
-  """Writes the folder under a temporary name beside ``out`` and renames it; returns its files."""
-  from training.data.tokenizer import COMPANION_FILES, TOKENIZER_FILE
+def _write_folder(out: Path, run_dir, weights, extra: dict) -> list[str]:
+  """Writes ``weights(tmp)``'s files, the run's tokenizer and ``extra`` JSON files into a
+  temporary folder beside ``out``, renamed to ``out`` when complete; returns the file names."""
+  from training.data.text_source import RUN_TOKENIZER_DIR
+  from training.data.tokenizer import COMPANION_FILES, TOKENIZER_FILE, load_tokenizer
+  tok_dir = Path(run_dir) / RUN_TOKENIZER_DIR
   out.parent.mkdir(parents=True, exist_ok=True)
   tmp = Path(tempfile.mkdtemp(prefix=f'.{out.name}.', dir=out.parent))
   try:
     _permissions(tmp, 0o777)   # mkdtemp makes it private; the folder is for sharing
-    (tmp / 'config.json').write_text(json.dumps(hf_config, indent=2) + '\n')
-    files = ['config.json'] + write_weights(tmp, state_dict, max_shard_bytes)
+    files = weights(tmp)
     for name in (TOKENIZER_FILE,) + COMPANION_FILES:
       if (tok_dir / name).is_file():
         shutil.copyfile(tok_dir / name, tmp / name)
         files.append(name)
-    if tok is not None and not (tok_dir / 'tokenizer_config.json').is_file():
+    if (tok_dir / TOKENIZER_FILE).is_file() and not (tok_dir / 'tokenizer_config.json').is_file():
       # A bare tokenizer.json: name its end-of-text token, so AutoTokenizer knows the eos_token.
+      tok = load_tokenizer(tok_dir / TOKENIZER_FILE)
       (tmp / 'tokenizer_config.json').write_text(json.dumps({'eos_token': tok.eot_token}) + '\n')
       files.append('tokenizer_config.json')
     for name, obj in extra.items():
@@ -181,10 +226,23 @@ def _write_folder(out: Path, hf_config: dict, state_dict: dict, max_shard_bytes:
     if out.exists():
       out.rmdir()   # empty (checked above)
     tmp.rename(out)
-  except BaseException:
+  except BaseException as e:
     shutil.rmtree(tmp, ignore_errors=True)
+    _explain_write_error(e, out)
     raise
   return files
+
+
+def _explain_write_error(e: BaseException, out: Path):
+  """Raises a one-line ExportError for a full disk or a file system that refuses the write."""
+  # safetensors raises its own type for a full disk; an OSError carries the errno.
+  if 'No space left on device' in str(e) or getattr(e, 'errno', None) in (errno.ENOSPC,
+                                                                           errno.EDQUOT):
+    raise ExportError(f"no space left on device writing {out}; nothing was exported: free "
+                      'space there, or give an OUT_DIR elsewhere') from None
+  if isinstance(e, OSError):
+    raise ExportError(f"cannot write '{e.filename or out}': {e.strerror or e}; nothing was "
+                      'exported') from None
 
 
 def _permissions(path: Path, mode: int):
@@ -234,6 +292,13 @@ def main(argv=None) -> int:
   p.add_argument('out_dir', metavar='OUT_DIR', help='the folder to write (new or empty)')
   p.add_argument('--dtype', default='float32', choices=sorted(DTYPES),
                  help='weight dtype in model.safetensors (default: float32)')
+  p.add_argument('--adapter', action='store_true',
+                 help="a LoRA run's adapters alone, as a PEFT folder (adapter_config.json, "
+                      'adapter_model.safetensors) for peft.PeftModel.from_pretrained(base, OUT_DIR); '
+                      'without it a LoRA run is written merged into its base')
+  p.add_argument('--base', default=None, metavar='HF_FOLDER',
+                 help="a LoRA run's base checkpoint, if it moved since training (checked against "
+                      "the run's record)")
   p.add_argument('--max-shard-size', type=parse_size, default=DEFAULT_SHARD_BYTES, metavar='SIZE',
                  help='largest safetensors file before the weights are sharded with an index '
                       '(default: 5GB, as save_pretrained)')
@@ -245,7 +310,8 @@ def main(argv=None) -> int:
     from remat.targets import prefer_cpu_without_gpu
     prefer_cpu_without_gpu()
     from training.run.saved_run import RunReadError
-    export(args.run_dir, args.out_dir, args.dtype, args.max_shard_size, which=args.checkpoint)
+    export(args.run_dir, args.out_dir, args.dtype, args.max_shard_size, which=args.checkpoint,
+           adapter=args.adapter, base_from=args.base)
   except (ExportError, RunReadError, ValueError) as e:
     print(f'training.export: error: {e}', file=sys.stderr)
     return 2

@@ -141,6 +141,9 @@ def main(argv=None) -> int:
   p.add_argument('--checkpoint', choices=('best', 'last'), default=None,
                  help="the run's best step (kept by --keep-best) or its last (default: best "
                       'when the run kept one)')
+  p.add_argument('--base', default=None, metavar='HF_FOLDER',
+                 help="a LoRA run's base checkpoint, if it moved since training (checked against "
+                      "the run's record)")
   args = p.parse_args(argv)
   try:
     return _sample(args)
@@ -162,7 +165,8 @@ def _sample(args) -> int:
       raise SampleError(f'--temperature must be a finite number >= 0, got {args.temperature}')
     check_seed(args.seed)
     run = load_run(args.run_dir, lambda m: print(f'training.sample: warning: {m}',
-                                                 file=sys.stderr), args.checkpoint)
+                                                 file=sys.stderr), args.checkpoint,
+                   base_from=args.base)
     if run.task.is_vision:
       raise SampleError(f"'{args.run_dir}' is a {run.task.arch} run; sampling needs a gpt or "
                         'llama run')

@@ -20,6 +20,8 @@ from models.tasks import Task
 from remat.memory import MemoryStats, compiled_memory, format_bytes
 from remat.policies import Policy, get_policy
 from training.data.text_source import HF_CONFIG_PREFIX, byte_stream, open_text, tokenizer_for_run
+from models.lora import params as lora_params
+from training.run import base as lora_base
 from training.run import best as best_lib
 from training.run import checkpoints as ckpt
 from training.run import resume_check
@@ -91,12 +93,29 @@ def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
   if cfg.resume and not ((out / 'checkpoints').is_dir() or (out / rundir.LOCK_NAME).exists()
                          or (out / rundir.RECORD_NAME).exists()):
     raise RunError(f"--resume: no checkpoint in {out / 'checkpoints'}")
+  lora = getattr(named.model, 'lora', None)
+  # A LoRA run's adapters and base are what its checkpoints are about: a resume must keep the
+  # adapters' settings and load the base they trained on, checked before the folder is touched.
+  meta = read_meta(out) if cfg.resume else None
+  if meta is not None:
+    _check_lora(meta, named, out)
+  base_rec = None
+  if lora is not None:
+    base_rec = lora_base.record(cfg.init_from, cfg.seed)
+    if meta is not None:
+      lora_base.check(meta.get('base'), base_rec, out)
   if out.is_dir():   # the run folder's checks, read-only, before data is tokenized or decoded
     _check_record(cfg, named, out)   # (again under the lock, which a refusal never needs)
   pretrained = None
-  if cfg.init_from and not cfg.resume:
+  if cfg.init_from and (not cfg.resume or lora is not None):
     from models.hf.finetune import load_pretrained
-    pretrained, notes = load_pretrained(cfg.init_from, named.arch, named.model)
+    # A LoRA model's base is the checkpoint's own model, stored as the run keeps it while it
+    # is read; its adapters start fresh.
+    pretrained, notes = load_pretrained(
+        cfg.init_from, named.arch, named.model if lora is None else
+        dataclasses.replace(named.model, lora=None),
+        None if lora is None else lora_base.reader(lora, named.arch, named.model.dtype,
+                                                   named.model.num_layers, log))
     for note in notes:
       log(f'--init-from: {note}')
   if cfg.config.startswith(HF_CONFIG_PREFIX):
@@ -120,7 +139,7 @@ def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
     lock.acquire()
   try:
     return _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn, place,
-                         lock, auto_choice)
+                         lock, auto_choice, base_rec)
   finally:
     if lock is not None:
       lock.release()
@@ -171,6 +190,7 @@ def _check_record(cfg: TrainConfig, named: NamedConfig, out: Path) -> tuple[int 
   # The dtype is not shape: checked on its own.
   was = json.loads(json.dumps({**_defaults(type(named.model)), **(meta.get('model') or {})}))
   now = json.loads(json.dumps(dataclasses.asdict(named.model)))
+  was.pop('lora', None), now.pop('lora', None)   # compared by _check_lora
   was_dtype, now_dtype = was.pop('dtype', 'float32'), now.pop('dtype')
   if was != now:
     raise RunError(f'--resume: config {named.name} has changed shape since {out} was saved; '
@@ -184,6 +204,30 @@ def _check_record(cfg: TrainConfig, named: NamedConfig, out: Path) -> tuple[int 
   return step, changed
 
 
+def _check_lora(meta: dict, named: NamedConfig, out: Path):
+  """Raises a one-line RunError if the run in ``out`` had other adapters (or none)."""
+  was = (meta.get('model') or {}).get('lora')
+  now = json.loads(json.dumps(dataclasses.asdict(named.model))).get('lora')
+  if was != now:   # adapters are what such a checkpoint holds: no flag changes them
+    raise RunError(f'--resume: {out} was trained {_lora_words(was)}, not {_lora_words(now)}; '
+                   'drop the --lora and --quantize flags to continue it as it was, or pass '
+                   'another --out for a new run')
+
+
+def _lora_words(spec: dict | None) -> str:
+  """'without --lora' or 'with --lora 8 --lora-alpha 16 ... --quantize nf4', from a record."""
+  if not spec:
+    return 'without --lora'
+  words = [f"--lora {spec['rank']}", f"--lora-alpha {spec['alpha']:g}"]
+  if spec.get('dropout'):
+    words.append(f"--lora-dropout {spec['dropout']:g}")
+  if spec.get('targets'):
+    words.append(f"--lora-targets {','.join(spec['targets'])}")
+  if spec.get('quantize'):
+    words.append(f"--quantize {spec['quantize']}")
+  return 'with ' + ' '.join(words)
+
+
 def _defaults(config_cls) -> dict:
   return {f.name: f.default for f in dataclasses.fields(config_cls)
           if f.default is not dataclasses.MISSING}
@@ -195,7 +239,7 @@ NOT_RECORDED = ('resume', 'restart', 'allow_changed')
 
 def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
                   place: meshlib.Placement, lock: rundir.RunLock | None,
-                  auto_choice=None) -> list[dict]:
+                  auto_choice=None, base_rec=None) -> list[dict]:
   out = cfg.out_dir
   event = 'start'
   saved_step, changed = _check_record(cfg, named, out)   # checks only: nothing written yet
@@ -224,16 +268,21 @@ def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
   saved = {}
   if saved_step is not None:
     state, saved = ckpt.restore(out, place.abstract(state_shape), warn)  # onto this mesh
+    if base_rec is not None:   # the checkpoint holds the adapters; the base is loaded again
+      state = state.replace(frozen=place.put_state(_frozen_base(pretrained, model, tx, cfg, size,
+                                                                log)))
     log(f"resumed step {int(state.step)} (saved under policy {saved['policy']})")
     event = 'resume'
     if changed:
       log('resume: changed on purpose (--allow-changed): ' + ', '.join(
           f'{resume_check.flag(k)} {was} -> {now}' for k, (was, now) in changed.items()))
   elif pretrained is not None:
-    state = place.put_state(_pretrained_state(pretrained, tx))
+    state = place.put_state(_pretrained_state(pretrained, tx, model, cfg, size, log))
     log(f'initialised from the Hugging Face checkpoint {cfg.init_from}')
   else:
     state = place.put_state(st.init_state(model, tx, cfg.seed, size))
+  if base_rec is not None:
+    log(lora_base.describe(state, named.model.lora))
   start = int(state.step)
   if start >= cfg.steps:
     log(f'nothing to do: {out} is at step {start} of --steps {cfg.steps}')
@@ -253,6 +302,7 @@ def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
       [{'step': start, 'settings': changed}] if changed else [])
   meta = {'config': named.name, 'arch': named.arch, 'model': dataclasses.asdict(named.model),
           'policy': policy.spec, 'data': data_meta,
+          **({'base': base_rec} if base_rec is not None else {}),
           **({'auto': auto_choice.to_json()} if auto_choice else {}),
           'memory': dataclasses.asdict(compiled_memory(step_fn)),   # the step this run compiled
           'train': {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_RECORDED},
@@ -489,9 +539,38 @@ def _data(cfg: TrainConfig, task: Task, size: int, log, warn, place: meshlib.Pla
   return open_text(cfg, size, log, place.local_rows(cfg.batch_size), warn)
 
 
-def _pretrained_state(variables: dict, tx) -> st.TrainState:
-  params = jax.tree_util.tree_map(jnp.asarray, variables['params'])
+def _pretrained_state(variables: dict, tx, model, cfg, size: int, log) -> st.TrainState:
   model_state = {k: jax.tree_util.tree_map(jnp.asarray, v) for k, v in variables.items()
                  if k != 'params'}
-  return st.TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
-                       opt_state=tx.init(params))
+  spec = getattr(model.config, 'lora', None)
+  if spec is None:
+    params = jax.tree_util.tree_map(jnp.asarray, variables['params'])
+    return st.TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
+                         opt_state=tx.init(params))
+  # The checkpoint's own trained part (a vision head) over fresh adapters.
+  head = lora_params.split(variables['params'], Task(model.config).arch)[1]
+  trained = lora_params.merge(_fresh_adapters(model, cfg.seed, size),
+                              jax.tree_util.tree_map(jnp.asarray, head))
+  return st.TrainState(step=jnp.zeros((), jnp.int32), params=trained, model_state=model_state,
+                       opt_state=tx.init(trained),
+                       frozen=_frozen_base(variables, model, tx, cfg, size, log))
+
+
+def _fresh_adapters(model, seed: int, size: int) -> dict:
+  """The trained part of a fresh LoRA model (its adapters), without allocating its random base:
+  the init is jitted with only the adapters as outputs, so XLA drops the rest."""
+  task = Task(model.config)
+  return jax.jit(lambda: lora_params.split(task.init_variables(model, seed, size)[0],
+                                           task.arch)[1])()
+
+
+def _frozen_base(pretrained: dict | None, model, tx, cfg, size: int, log) -> dict:
+  """A LoRA run's frozen base: the checkpoint's weights, or the seed's random ones, stored as
+  the run keeps them (compute dtype; quantized kernels under QLoRA)."""
+  mcfg = model.config
+  if pretrained is None:
+    return st.init_state(model, tx, cfg.seed, size).frozen
+  arch = Task(mcfg).arch
+  frozen = lora_params.split(pretrained['params'], arch)[0]
+  return lora_base.freeze(frozen, mcfg.lora, arch, mcfg.dtype)
+

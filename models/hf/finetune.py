@@ -20,7 +20,7 @@ from models.hf.load import load_hf, load_hf_config
 from models.vit_positions import resize_positions
 
 
-def load_pretrained(path, arch: str, config) -> tuple[dict, list[str]]:
+def load_pretrained(path, arch: str, config, convert=None) -> tuple[dict, list[str]]:
   """The variables of the checkpoint at ``path`` for a model of ``config``.
 
   Args:
@@ -28,6 +28,7 @@ def load_pretrained(path, arch: str, config) -> tuple[dict, list[str]]:
     arch: the run's architecture; the checkpoint must be of it.
     config: the run's model config (image side and class count may differ
       from the checkpoint's; nothing else may).
+    convert: how leaves are stored as they are read (:func:`models.hf.load.from_state_dict`).
 
   Returns:
     ``(variables, notes)``: float32 numpy variables with the tree and shapes of
@@ -39,13 +40,13 @@ def load_pretrained(path, arch: str, config) -> tuple[dict, list[str]]:
   """
   their_arch, theirs = load_hf_config(path)
   if arch not in ('vit', 'resnet') or their_arch != arch:  # load_hf checks and says what is wrong
-    return load_hf(path, expect_arch=arch, config=config)[2], []
+    return load_hf(path, expect_arch=arch, config=config, convert=convert)[2], []
   fit, notes = config, []
   if arch == 'vit' and theirs.image_size != config.image_size:
     fit = dataclasses.replace(fit, image_size=theirs.image_size)
   if theirs.num_classes != config.num_classes:
     fit = dataclasses.replace(fit, num_classes=theirs.num_classes)
-  _, _, variables = load_hf(path, expect_arch=arch, config=fit)
+  _, _, variables = load_hf(path, expect_arch=arch, config=fit, convert=convert)
   params = variables['params']
   if fit.image_size != config.image_size and arch == 'vit':
     old, new = fit.image_size // fit.patch_size, config.image_size // config.patch_size

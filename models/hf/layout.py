@@ -157,6 +157,30 @@ def resnet_config(hf: dict) -> ResNetConfig:
 CONFIGS = {'gpt': gpt_config, 'llama': llama_config, 'vit': vit_config, 'resnet': resnet_config}
 
 
+class Stacked:
+  """The layers of one stacked leaf, kept as they are read (memory-mapped views) until used.
+
+  ``np.asarray`` stacks them; a loader that converts layer by layer (a LoRA
+  run's base, cast or quantized as it is read: ``models.hf.load.from_state_dict``'s
+  ``convert``) never holds more than one layer of the checkpoint in memory.
+  """
+
+  def __init__(self, layers: list):
+    self.layers = layers
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return (len(self.layers), *np.shape(self.layers[0]))
+
+  @property
+  def dtype(self):
+    return np.asarray(self.layers[0]).dtype
+
+  def __array__(self, dtype=None, copy=None):
+    del copy
+    return np.stack([np.asarray(a, dtype) for a in self.layers])
+
+
 class StateDict:
   """A checkpoint's tensors, with the base-model prefix optional and every key use recorded.
 
@@ -197,13 +221,15 @@ class StateDict:
     idx = [int(m.group(1)) for k in self.tensors if (m := regex.match(k))]
     return max(idx) + 1 if idx else 0
 
-  def put(self, path: str, array: np.ndarray, source: str):
-    self.out[tuple(path.split('/'))] = (np.asarray(array), source)
+  def put(self, path: str, array, source: str):
+    self.out[tuple(path.split('/'))] = (array if isinstance(array, Stacked) else np.asarray(array),
+                                        source)
 
   def stack(self, path: str, template: str, n: int, fn: Callable = lambda a: a, offset: int = 0):
-    """Puts ``fn`` of layers ``offset..offset+n-1`` of ``template`` (with ``{i}``), stacked."""
+    """Puts ``fn`` of layers ``offset..offset+n-1`` of ``template`` (with ``{i}``), stacked
+    (:class:`Stacked`: read when used)."""
     arrays = [fn(self.take(template.format(i=offset + i))) for i in range(n)]
-    self.put(path, np.stack(arrays), self.name(template.format(i='*')))
+    self.put(path, Stacked(arrays), self.name(template.format(i='*')))
 
   def leftovers(self) -> list[str]:
     return [k for k in self.tensors if k not in self.used]

@@ -34,7 +34,8 @@ import numpy as np
 from models.hf.layout import CONFIGS, MODEL_TYPES, VARIABLES, HFImportError, StateDict, _few
 from models.tasks import ARCH_OF, Task
 
-__all__ = ['HFImportError', 'load_hf', 'load_hf_config', 'from_state_dict', 'read_safetensors']
+__all__ = ['HFImportError', 'load_hf', 'load_hf_config', 'from_state_dict', 'read_safetensors',
+           'weight_files']
 
 _NAMES = {'gpt': 'GPT-2', 'llama': 'Llama', 'vit': 'ViT', 'resnet': 'ResNet'}
 _PREFIX = {arch: prefix for arch, prefix in MODEL_TYPES.values()}
@@ -97,7 +98,16 @@ def load_hf_config(path) -> tuple[str, Any]:
     raise HFImportError(f'{p / "config.json"}: {msg}') from None
 
 
-def _read_tensors(p: pathlib.Path) -> tuple[dict[str, np.ndarray], str]:
+def weight_files(path) -> list[pathlib.Path]:
+  """The safetensors files of a ``save_pretrained`` folder (one, or the shards its index names).
+
+  Raises:
+    HFImportError: one line: no folder, no weights, only a pickle, or missing shards.
+  """
+  return _weight_files(_folder(path))[0]
+
+
+def _weight_files(p: pathlib.Path) -> tuple[list[pathlib.Path], str]:
   single, index = p / 'model.safetensors', p / 'model.safetensors.index.json'
   if single.is_file():
     files = [single]
@@ -115,10 +125,15 @@ def _read_tensors(p: pathlib.Path) -> tuple[dict[str, np.ndarray], str]:
   missing = [f.name for f in files if not f.is_file()]
   if missing:
     raise HFImportError(f'{index} names weight files that are missing: {_few(missing, 2)}')
+  return files, files[0].name if len(files) == 1 else index.name
+
+
+def _read_tensors(p: pathlib.Path) -> tuple[dict[str, np.ndarray], str]:
+  files, name = _weight_files(p)
   tensors = {}
   for f in files:
     tensors.update(read_safetensors(f))
-  return tensors, files[0].name if len(files) == 1 else index.name
+  return tensors, name
 
 
 # safetensors dtype names -> numpy dtypes (bfloat16 from ml_dtypes, which JAX depends on).
@@ -187,7 +202,8 @@ def _expected(config) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
   return {tuple(k.key for k in path): leaf for path, leaf in flat}
 
 
-def from_state_dict(arch: str, tensors: dict[str, np.ndarray], config, where: str = 'state dict'):
+def from_state_dict(arch: str, tensors: dict[str, np.ndarray], config, where: str = 'state dict',
+                    convert=None):
   """Maps HF-named arrays onto our variable tree for ``config``.
 
   The mapping is linear (transposes, splits, stacks), so it also maps
@@ -198,6 +214,10 @@ def from_state_dict(arch: str, tensors: dict[str, np.ndarray], config, where: st
     tensors: HF state-dict name -> array (numpy or anything ``np.asarray`` takes).
     config: our config dataclass the result must fit.
     where: how messages name the source.
+    convert: None, or ``convert(path, array, want)`` called for each leaf (``array``
+      may be a :class:`models.hf.layout.Stacked` of layers, ``want`` the model's
+      ShapeDtypeStruct), returning the leaf to keep, or None for the default
+      (a float32 copy): a LoRA run stores its base cast or quantized as it reads it.
 
   Returns:
     ``{'params': ..., 'batch_stats': ...}`` (the latter for ResNet) of float32
@@ -228,14 +248,16 @@ def from_state_dict(arch: str, tensors: dict[str, np.ndarray], config, where: st
     node = out
     for key in path[:-1]:
       node = node.setdefault(key, {})
-    node[path[-1]] = np.ascontiguousarray(array, dtype=want.dtype)
+    got = convert(path, array, want) if convert is not None else None
+    node[path[-1]] = np.ascontiguousarray(array, dtype=want.dtype) if got is None else got
   unplaced = [f'{s} ({"/".join(p[1:])})' for p, (_, s) in sd.out.items() if p not in expected]
   if unplaced:
     raise HFImportError(f'{where} has parameters the config has no place for: {_few(unplaced, 2)}')
   return out
 
 
-def load_hf(path, expect_arch: str | None = None, config=None) -> tuple[str, Any, dict]:
+def load_hf(path, expect_arch: str | None = None, config=None,
+            convert=None) -> tuple[str, Any, dict]:
   """Loads a Hugging Face checkpoint folder into our variables.
 
   Args:
@@ -244,6 +266,7 @@ def load_hf(path, expect_arch: str | None = None, config=None) -> tuple[str, Any
     expect_arch: if given ('gpt', 'llama', 'vit' or 'resnet'), the checkpoint must be of it.
     config: if given (our config dataclass), the checkpoint's shapes must fit
       it, and it is returned instead of the one read from ``config.json``.
+    convert: see :func:`from_state_dict`.
 
   Returns:
     ``(arch, config, variables)``; ``variables`` is ``{'params': ...}`` plus
@@ -267,4 +290,4 @@ def load_hf(path, expect_arch: str | None = None, config=None) -> tuple[str, Any
     raise HFImportError(f'{p} holds a {_NAMES[arch]} checkpoint, which does not fit a '
                         f'{type(config).__name__}')
   tensors, file = _read_tensors(p)
-  return arch, config, from_state_dict(arch, tensors, config, where=str(p / file))
+  return arch, config, from_state_dict(arch, tensors, config, where=str(p / file), convert=convert)

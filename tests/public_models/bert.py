@@ -118,13 +118,16 @@ class Encoder(eqx.Module):
   pooler: eqx.nn.Linear
   classifier: eqx.nn.Linear
 
-  def __call__(self, token_ids, segment_ids, policy='none'):
+  def __call__(self, token_ids, segment_ids, policy='none', remat_policy=None):
     position_ids = jnp.arange(token_ids.shape[0])
     x = self.embedder_block(token_ids, position_ids, segment_ids)
     mask = jnp.asarray(token_ids != 0, dtype=jnp.int32)
     if isinstance(self.layers, list):
+      call = lambda layer, x, mask: layer(x, mask)
+      if remat_policy is not None:   # per-block checkpoint of the untouched layers
+        call = eqx.filter_checkpoint(call, policy=remat_policy)
       for layer in self.layers:
-        x = layer(x, mask)
+        x = call(layer, x, mask)
     else:
       arrays, static = eqx.partition(self.layers, eqx.is_array)
       x = remat.scan_layers(lambda p, h, m: eqx.combine(p, static)(h, m), arrays, x, mask,
@@ -148,7 +151,7 @@ def stacked(model: Encoder) -> Encoder:
 
 
 def case(cfg: Config = Config(), batch: int = 8, seed: int = 0):
-  from tests.public_models import Case
+  from tests.public_models import Case, block_policy
   k1, k2 = jax.random.split(jax.random.PRNGKey(seed + 1))
   tokens = jax.random.randint(k1, (batch, cfg.max_length), 1, cfg.vocab_size)
   tokens = tokens.at[:, -8:].set(0)   # padding, which the mask hides
@@ -157,10 +160,10 @@ def case(cfg: Config = Config(), batch: int = 8, seed: int = 0):
   model = make(cfg, jax.random.PRNGKey(seed))
   params, static = eqx.partition(model, eqx.is_inexact_array)
 
-  def loss_of(static, spec='none'):
+  def loss_of(static, spec='none', remat_policy=None):
     def loss(p, b):
       tok, seg, lab = b
-      logits = jax.vmap(lambda t, s: eqx.combine(p, static)(t, s, spec))(tok, seg)
+      logits = jax.vmap(lambda t, s: eqx.combine(p, static)(t, s, spec, remat_policy))(tok, seg)
       return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), lab[:, None], -1))
     return loss
 
@@ -168,4 +171,5 @@ def case(cfg: Config = Config(), batch: int = 8, seed: int = 0):
     return loss_of(eqx.partition(stacked(model), eqx.is_inexact_array)[1], spec)
 
   return Case('bert', loss_of(static), stacked_loss, params, (tokens, segments, labels),
-              stacked, cfg.num_layers)
+              stacked, cfg.num_layers,
+              lambda rule: loss_of(static, remat_policy=block_policy(rule)))

@@ -108,8 +108,9 @@ class Block(nnx.Module):
 class Transformer(nnx.Module):
   """``policy`` None: the untouched model (a list of blocks); else an :class:`remat.NNXStack`."""
 
-  def __init__(self, cfg: Config, policy: str | None = None, *, rngs):
+  def __init__(self, cfg: Config, policy: str | None = None, *, rngs, remat_policy=None):
     self.cfg = cfg
+    self.remat_policy = remat_policy   # per-block nnx.remat of the untouched blocks
     self.input_embedding = nnx.Param(nnx.initializers.normal(1.0)(
         rngs.params(), (cfg.num_embed, cfg.embed_dim)))
     if policy is None:
@@ -126,14 +127,17 @@ class Transformer(nnx.Module):
     if isinstance(self.layers, remat.NNXStack):
       x = self.layers(x, positions, mask)
     else:
+      call = lambda layer, x, positions, mask: layer(x, positions, mask)
+      if self.remat_policy is not None:
+        call = nnx.remat(call, policy=self.remat_policy)
       for layer in self.layers:
-        x = layer(x, positions, mask)
+        x = call(layer, x, positions, mask)
     x = self.final_norm(x)
     return x @ self.input_embedding[...].T
 
 
 def case(cfg: Config = Config(), batch: int = 8, seed: int = 0):
-  from tests.public_models import Case
+  from tests.public_models import Case, block_policy
   tokens = jax.random.randint(jax.random.PRNGKey(seed + 1), (batch, cfg.seq_len), 0,
                               cfg.num_embed)
   untouched = Transformer(cfg, rngs=nnx.Rngs(seed))
@@ -163,5 +167,10 @@ def case(cfg: Config = Config(), batch: int = 8, seed: int = 0):
     nnx.replace_by_pure_dict(state, out)
     return state
 
+  def per_block(rule):
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed),
+                                               remat_policy=block_policy(rule)))
+    return loss_of(nnx.split(model, nnx.Param)[0])
+
   return Case('gemma', loss_of(graphdef), lambda spec: loss_of(stacked_model(spec)[0]), params,
-              tokens, stack, cfg.num_layers)
+              tokens, stack, cfg.num_layers, per_block)

@@ -21,6 +21,7 @@ The stacked model runs the same blocks on one :class:`remat.LayerStack` with
 
 import dataclasses
 import enum
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -198,13 +199,15 @@ class Transformer(nn.Module):
   """``policy`` None: the untouched model; else its blocks on one patterned `remat.LayerStack`."""
   cfg: Config
   policy: str | None = None
+  remat_policy: Any = None   # per-block nn.remat of the untouched blocks (a jax.checkpoint policy)
 
   def setup(self):
     cfg = self.cfg
     self.embedder = Embedder(vocab_size=cfg.num_embed, embed_dim=cfg.embed_dim)
     pattern = GEMMA3_ATTENTION_PATTERN
     if self.policy is None:  # make_attention_layers_types: the pattern repeated over the layers
-      self.blocks = [Block(cfg, pattern[i % len(pattern)], name=f'layer_{i}')
+      block = Block if self.remat_policy is None else nn.remat(Block, policy=self.remat_policy)
+      self.blocks = [block(cfg, pattern[i % len(pattern)], name=f'layer_{i}')
                      for i in range(cfg.num_layers)]
     else:  # the config's own enum members are the kinds (stored as LOCAL_SLIDING, GLOBAL)
       self.blocks = remat.LayerStack(
@@ -241,10 +244,12 @@ def stack(params, num_layers: int):
 
 
 def case(cfg: Config = Config(), batch: int = 8, seed: int = 0):
-  from tests.public_models import Case
+  from tests.public_models import Case, block_policy
   tokens = jax.random.randint(jax.random.PRNGKey(seed + 1), (batch, cfg.seq_len), 1,
                               cfg.num_embed)
   params = Transformer(cfg).init(jax.random.PRNGKey(seed), tokens)['params']
   return Case('gemma3', lambda p, t: loss(Transformer(cfg), p, t),
               lambda spec: lambda p, t: loss(Transformer(cfg, spec), p, t),
-              params, tokens, lambda p: stack(p, cfg.num_layers), cfg.num_layers)
+              params, tokens, lambda p: stack(p, cfg.num_layers), cfg.num_layers,
+              lambda rule: lambda p, t: loss(Transformer(cfg, remat_policy=block_policy(rule)),
+                                             p, t))

@@ -11,6 +11,7 @@ compares gradients).
 """
 
 import dataclasses
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -63,6 +64,7 @@ class TransformerLM(nn.Module):
   """``policy`` None: the untouched model; else its blocks on :class:`remat.LayerStack`."""
   config: Config
   policy: str | None = None
+  remat_policy: Any = None   # per-block nn.remat of the untouched blocks (a jax.checkpoint policy)
 
   @nn.compact
   def __call__(self, inputs):
@@ -76,8 +78,10 @@ class TransformerLM(nn.Module):
                      (1, cfg.max_len, cfg.emb_dim))
     y = y + pos[:, :inputs.shape[1]]
     if self.policy is None:
+      block = (EncoderDecoder1DBlock if self.remat_policy is None else
+               nn.remat(EncoderDecoder1DBlock, policy=self.remat_policy))
       for lyr in range(cfg.num_layers):
-        y = EncoderDecoder1DBlock(cfg, name=f'encoderdecoderblock_{lyr}')(y, decoder_mask)
+        y = block(cfg, name=f'encoderdecoderblock_{lyr}')(y, decoder_mask)
     else:
       y = remat.LayerStack(EncoderDecoder1DBlock, cfg.num_layers, self.policy,
                            block_kwargs={'config': cfg}, name='blocks')(y, decoder_mask)
@@ -100,10 +104,12 @@ def stack(params, num_layers: int):
 
 
 def case(config: Config = Config(), batch: int = 8, seed: int = 0):
-  from tests.public_models import Case
+  from tests.public_models import Case, block_policy
   tokens = jax.random.randint(jax.random.PRNGKey(seed + 1), (batch, config.max_len), 1,
                               config.vocab_size)
   params = TransformerLM(config).init(jax.random.PRNGKey(seed), tokens)['params']
   return Case('lm1b', lambda p, t: loss(TransformerLM(config), p, t),
               lambda spec: lambda p, t: loss(TransformerLM(config, spec), p, t),
-              params, tokens, lambda p: stack(p, config.num_layers), config.num_layers)
+              params, tokens, lambda p: stack(p, config.num_layers), config.num_layers,
+              lambda rule: lambda p, t: loss(TransformerLM(config, remat_policy=block_policy(rule)),
+                                             p, t))

@@ -19,7 +19,11 @@ ZOO = {'tiny': (8, 128), 'vit-tiny': (32, 32), 'llama-tiny': (8, 128)}
 MIN_LAYERS = 6
 
 
-def model_config(config: str):
-  """The model config of ``configs/<config>.json`` with at least :data:`MIN_LAYERS` layers."""
+# Issue 34's bounds against the per-block habit are stated for stacks of >= 8 layers.
+DEEP = 8
+
+
+def model_config(config: str, min_layers: int = MIN_LAYERS):
+  """The model config of ``configs/<config>.json`` with at least ``min_layers`` layers."""
   cfg = load_config(config).model
-  return dataclasses.replace(cfg, num_layers=max(cfg.num_layers, MIN_LAYERS))
+  return dataclasses.replace(cfg, num_layers=max(cfg.num_layers, min_layers))

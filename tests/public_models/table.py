@@ -1,9 +1,14 @@
 """Prints docs/own-model.md's table: each public model's loss-gradient temp, untouched and stacked.
 
-    PYTHONPATH=. python -m tests.public_models.table [--targets cpu,h200] [--ours]
+    PYTHONPATH=. python -m tests.public_models.table [--targets cpu,h200] [--ours] [--yardsticks]
 
 With ``--ours``, the rows of our own GPT, ViT and Llama (tests/public_models/ours.py)
 instead, each against its unrolled form (``remat.layout.unrolled_reference``).
+With ``--yardsticks``, the three references side by side at >= 8 layers
+(:func:`tests.public_models.deep_case`, ``ours.DEEP``): the untouched model, its
+blocks under a per-block ``nn.remat`` (the authors' own for the public models,
+``remat.layout.per_block_reference`` for ours) and the stack under the default
+``layout='auto'``.
 """
 
 import argparse
@@ -53,12 +58,70 @@ def ours_rows(targets):
             + ' | '.join(cells) + f' | {t_ref:.1f} s / {t_none:.1f} s |', flush=True)
 
 
+YARDSTICK_MODELS = ('vit', 'lm1b', 'gemma', 'bert', 'gemma3', 'unet')
+
+
+def _yardstick_row(label, tname, untouched, per_block, stack) -> str:
+  """A table row: untouched; per-block and stack under full, dots; stack none (MiB, ratios)."""
+  mib = lambda b: f'{b / 2 ** 20:.2f}'
+  pb_full, pb_dots = per_block('full'), per_block('dots')
+  full, dots, none = stack('full'), stack('dots'), stack('none')
+  return (f'| {label} | {tname.upper()} | {mib(untouched)} | {mib(pb_full)} | {mib(full)} '
+          f'({full / pb_full:.2f}x) | {mib(pb_dots)} | {mib(dots)} ({dots / pb_dots:.2f}x) | '
+          f'{mib(none)} ({none / untouched:.2f}x) |')
+
+
+def yardstick_rows(targets, names, ours_too: bool):
+  """Prints untouched, per-block full/dots and the stack's full/dots/none (temp MiB) per model."""
+  from tests.public_models import deep_case
+  print('| model (layers) | plan | untouched | per-block `full` | stack `full` (/pb) | '
+        'per-block `dots` | stack `dots` (/pb) | stack `none` (/untouched) |')
+  print('|---|---|---|---|---|---|---|---|')
+  for name in names:
+    c = deep_case(name)
+    sp = c.stack(c.params)
+    for tname in targets:
+      t = get_target(tname)
+      print(_yardstick_row(
+          f'{name} ({c.num_layers})', tname,
+          step_memory(c.untouched, c.params, c.batch, target=t).temp,
+          lambda r: step_memory(c.per_block(r), c.params, c.batch, target=t).temp,
+          lambda s: step_memory(c.stacked(s), sp, c.batch, target=t).temp), flush=True)
+  if not ours_too:
+    return
+  from bench.zoo import grad_memory
+  from remat.layout import per_block_reference, unrolled_reference
+  from tests.public_models import ours
+
+  def within(context, cfg, spec, batch, size, t):
+    with context:
+      return grad_memory(cfg, spec, batch, size, t).temp
+  for config, (batch, size) in ours.ZOO.items():
+    cfg = ours.model_config(config, ours.DEEP)
+    for tname in targets:
+      t = get_target(tname)
+      print(_yardstick_row(
+          f'`{config}` ({cfg.num_layers})', tname,
+          within(unrolled_reference(), cfg, 'none', batch, size, t),
+          lambda r: within(per_block_reference(r), cfg, 'none', batch, size, t),
+          lambda s: grad_memory(cfg, s, batch, size, t).temp), flush=True)
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument('--targets', default='cpu,h200')
   ap.add_argument('--ours', action='store_true',
                   help='our GPT, ViT and Llama against their unrolled form instead')
+  ap.add_argument('--yardsticks', action='store_true',
+                  help='untouched, per-block nn.remat and the stack side by side (>= 8 layers)')
+  ap.add_argument('--models', default=','.join(YARDSTICK_MODELS) + ',ours',
+                  help="with --yardsticks: public models, and 'ours' for our GPT, ViT, Llama")
   args = ap.parse_args()
+  if args.yardsticks:
+    names = args.models.split(',')
+    print(f'jax {jax.__version__}; loss-gradient temp (MiB, XLA memory_analysis), layout auto')
+    yardstick_rows(args.targets.split(','), [n for n in names if n != 'ours'], 'ours' in names)
+    return
   if args.ours:
     print(f'jax {jax.__version__}; loss-gradient temp (XLA memory_analysis), stack / unrolled')
     ours_rows(args.targets.split(','))

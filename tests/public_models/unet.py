@@ -25,6 +25,7 @@ last resnet (it takes the skip from ``conv_in`` or the downsampler) stay outside
 
 import dataclasses
 import math
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -114,6 +115,11 @@ class FlaxResnetBlock2D(nn.Module):
     return hidden_states + residual
 
 
+def _maybe_remat(policy):
+  """The untouched resnet class, or it in ``nn.remat`` under ``policy`` (the per-block habit)."""
+  return FlaxResnetBlock2D if policy is None else nn.remat(FlaxResnetBlock2D, policy=policy)
+
+
 class SkipResnet(FlaxResnetBlock2D):
   """A down resnet on the stack: its output is carried on and returned as this layer's skip."""
 
@@ -135,11 +141,13 @@ class FlaxDownBlock2D(nn.Module):
   num_layers: int
   add_downsample: bool
   policy: str | None = None
+  remat_policy: Any = None   # per-block nn.remat of the untouched resnets (a jax.checkpoint policy)
 
   def setup(self):
     if self.policy is None:
-      self.resnets = [FlaxResnetBlock2D(self.in_channels if i == 0 else self.out_channels,
-                                        self.out_channels) for i in range(self.num_layers)]
+      resnet = _maybe_remat(self.remat_policy)
+      self.resnets = [resnet(self.in_channels if i == 0 else self.out_channels,
+                             self.out_channels) for i in range(self.num_layers)]
     else:  # in == out channels, so every layer has one shape
       self.resnets = remat.LayerStack(SkipResnet, self.num_layers, self.policy, block_kwargs={
           'in_channels': self.in_channels, 'out_channels': self.out_channels})
@@ -169,6 +177,7 @@ class FlaxUpBlock2D(nn.Module):
   num_layers: int
   add_upsample: bool
   policy: str | None = None
+  remat_policy: Any = None
 
   def _in_channels(self, i):
     skip = self.in_channels if i == self.num_layers - 1 else self.out_channels
@@ -177,7 +186,8 @@ class FlaxUpBlock2D(nn.Module):
   def setup(self):
     n = self.num_layers
     if self.policy is None:
-      self.resnets = [FlaxResnetBlock2D(self._in_channels(i), self.out_channels) for i in range(n)]
+      resnet = _maybe_remat(self.remat_policy)
+      self.resnets = [resnet(self._in_channels(i), self.out_channels) for i in range(n)]
     else:  # the first n - 1 take this level's stacked skips; the last (conv_in's or the
       # downsampler's skip) stays outside, under its untouched name
       self.resnets = remat.LayerStack(ConcatResnet, n - 1, self.policy, block_kwargs={
@@ -207,18 +217,21 @@ class FlaxUNet2D(nn.Module):
   """``policy`` None: the untouched model; else each level's resnets on `remat.LayerStack`s."""
   cfg: Config
   policy: str | None = None
+  remat_policy: Any = None
 
   def setup(self):
     cfg, ch = self.cfg, self.cfg.block_out_channels
     self.conv_in = _conv(ch[0])
     self.time_embedding = FlaxTimestepEmbedding(ch[0] * 4)
     self.down_blocks = [FlaxDownBlock2D(ch[max(i - 1, 0)], ch[i], cfg.layers_per_block,
-                                        add_downsample=i < len(ch) - 1, policy=self.policy)
+                                        add_downsample=i < len(ch) - 1, policy=self.policy,
+                                        remat_policy=self.remat_policy)
                         for i in range(len(ch))]
     rev = list(reversed(ch))
     self.up_blocks = [FlaxUpBlock2D(rev[min(i + 1, len(ch) - 1)], rev[i], rev[max(i - 1, 0)],
                                     cfg.layers_per_block + 1, add_upsample=i < len(ch) - 1,
-                                    policy=self.policy) for i in range(len(ch))]
+                                    policy=self.policy, remat_policy=self.remat_policy)
+                      for i in range(len(ch))]
     self.conv_norm_out = nn.GroupNorm(num_groups=32, epsilon=1e-5)
     self.conv_out = _conv(cfg.out_channels)
 
@@ -267,7 +280,7 @@ def stack(params, layers_per_block: int):
 
 
 def case(cfg: Config = Config(), batch: int = 8, seed: int = 0):
-  from tests.public_models import Case
+  from tests.public_models import Case, block_policy
   k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed + 1), 3)
   images = jax.random.normal(k1, (batch, cfg.in_channels, cfg.sample_size, cfg.sample_size))
   noise = jax.random.normal(k2, images.shape)
@@ -276,4 +289,6 @@ def case(cfg: Config = Config(), batch: int = 8, seed: int = 0):
   return Case('unet', lambda p, b: ddpm_loss(FlaxUNet2D(cfg), p, b),
               lambda spec: lambda p, b: ddpm_loss(FlaxUNet2D(cfg, spec), p, b),
               params, (images, noise, timesteps), lambda p: stack(p, cfg.layers_per_block),
-              cfg.layers_per_block)
+              cfg.layers_per_block,
+              lambda rule: lambda p, b: ddpm_loss(FlaxUNet2D(cfg, remat_policy=block_policy(rule)),
+                                                  p, b))

@@ -12,6 +12,7 @@ dict of intermediate outputs (only the loss is used here), dropout, the
 """
 
 import dataclasses
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -74,14 +75,16 @@ class Encoder1DBlock(nn.Module):
 class Encoder(nn.Module):
   cfg: Config
   policy: str | None = None
+  remat_policy: Any = None   # per-block nn.remat of the untouched blocks (a jax.checkpoint policy)
 
   @nn.compact
   def __call__(self, x):
     cfg = self.cfg
     if self.policy is None:
+      block = (Encoder1DBlock if self.remat_policy is None else
+               nn.remat(Encoder1DBlock, policy=self.remat_policy))
       for lyr in range(cfg.depth):
-        x = Encoder1DBlock(name=f'encoderblock_{lyr}', mlp_dim=cfg.mlp_dim,
-                           num_heads=cfg.num_heads)(x)
+        x = block(name=f'encoderblock_{lyr}', mlp_dim=cfg.mlp_dim, num_heads=cfg.num_heads)(x)
     else:
       x = remat.LayerStack(Encoder1DBlock, cfg.depth, self.policy, name='encoderblocks',
                            block_kwargs={'mlp_dim': cfg.mlp_dim, 'num_heads': cfg.num_heads})(x)
@@ -92,6 +95,7 @@ class ViT(nn.Module):
   """``policy`` None: the untouched model; else its encoder on :class:`remat.LayerStack`."""
   cfg: Config
   policy: str | None = None
+  remat_policy: Any = None
 
   @nn.compact
   def __call__(self, image):
@@ -100,7 +104,7 @@ class ViT(nn.Module):
                 padding='VALID', name='embedding')(image)
     n, h, w, c = x.shape
     x = jnp.reshape(x, [n, h * w, c]) + posemb_sincos_2d(h, w, c)
-    x = Encoder(cfg, self.policy, name='Transformer')(x)
+    x = Encoder(cfg, self.policy, self.remat_policy, name='Transformer')(x)
     x = jnp.mean(x, axis=1)
     return nn.Dense(cfg.num_classes, kernel_init=nn.initializers.zeros, name='head')(x)
 
@@ -112,7 +116,7 @@ def _loss(model, params, batch):
 
 
 def case(cfg: Config = Config(), batch: int = 8, seed: int = 0):
-  from tests.public_models import Case
+  from tests.public_models import Case, block_policy
   k1, k2 = jax.random.split(jax.random.PRNGKey(seed + 1))
   images = jax.random.normal(k1, (batch, cfg.image_size, cfg.image_size, 3))
   labels = jax.random.randint(k2, (batch,), 0, cfg.num_classes)
@@ -131,4 +135,5 @@ def case(cfg: Config = Config(), batch: int = 8, seed: int = 0):
 
   return Case('vit', lambda p, b: _loss(ViT(cfg), p, b),
               lambda spec: lambda p, b: _loss(ViT(cfg, spec), p, b),
-              params, (images, labels), stack, cfg.depth)
+              params, (images, labels), stack, cfg.depth,
+              lambda rule: lambda p, b: _loss(ViT(cfg, remat_policy=block_policy(rule)), p, b))

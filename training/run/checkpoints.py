@@ -1,9 +1,10 @@
 """Orbax checkpoints that can be trusted: never non-finite, digest-verified, with fallback restore.
 
-Each checkpoint holds two items: ``state`` (the :class:`~training.step.train_step.TrainState`)
-and ``meta`` (JSON: config, model, policy, settings, and ``digest``, a SHA-256 of
-the saved arrays). Orbax writes a step into a temporary folder and renames it
-when complete, so a kill mid-save leaves no half checkpoint under a step name;
+Each checkpoint holds two items: ``state`` (the :class:`~training.step.train_step.TrainState`
+without a LoRA run's frozen base, which the run loads again from its source and
+checks against the digest its record holds) and ``meta`` (JSON: config, model,
+policy, settings, and ``digest``, a SHA-256 of the saved arrays). Orbax writes a
+step into a temporary folder and renames it when complete, so a kill mid-save leaves no half checkpoint under a step name;
 the writer removes such leftovers when it opens the folder.
 
 Restore walks the steps newest first and takes the first that restores, whose
@@ -21,6 +22,7 @@ Orbax's own reports of the failure are kept off the terminal
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import shutil
@@ -115,6 +117,17 @@ def nonfinite(state) -> list[str]:
   return bad
 
 
+def _saved(state):
+  """``state`` without its frozen base (a LoRA run's), which no checkpoint holds."""
+  return state.replace(frozen=None) if getattr(state, 'frozen', None) is not None else state
+
+
+def _fields(state) -> dict:
+  """The saved fields by name: what orbax writes (a train state written before the frozen
+  field existed restores into the same names)."""
+  return {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name != 'frozen'}
+
+
 def save(mngr: ocp.CheckpointManager, state, meta: dict, force: bool = False) -> bool:
   """Saves ``state`` if its step is due (or ``force``); returns whether it saved.
 
@@ -125,13 +138,14 @@ def save(mngr: ocp.CheckpointManager, state, meta: dict, force: bool = False) ->
   step = int(state.step)
   if not (force or mngr.should_save(step)):
     return False
+  state = _saved(state)
   whole = host(state)
   bad = nonfinite(whole)
   if bad:
     raise CheckpointError(f'step {step}: non-finite values in {bad[0]}'
                           f'{f" and {len(bad) - 1} more arrays" if len(bad) > 1 else ""}; '
                           'not saved')
-  args = ocp.args.Composite(state=ocp.args.StandardSave(state),
+  args = ocp.args.Composite(state=ocp.args.StandardSave(_fields(state)),
                             meta=ocp.args.JsonSave({**meta, 'digest': digest(whole)}))
   try:
     with orbax_noise.quiet():
@@ -218,6 +232,7 @@ def restore(out: Path, state_shape, warn, set_aside: bool = True,
             what: str = '--resume') -> tuple[object, dict]:
   """(state, meta) of the newest checkpoint that restores, verifies and is finite.
 
+  A LoRA run's state comes back without its frozen base (``frozen`` None).
   Newer checkpoints that fail are moved to ``<out>/damaged/`` (unless not
   ``set_aside``: a reader such as ``training.export`` leaves the run as it is),
   each with one ``warn`` line naming the step and the problem; ``what`` names
@@ -236,7 +251,9 @@ def restore(out: Path, state_shape, warn, set_aside: bool = True,
       try:
         meta = _restore_item(out, step, 'meta', ocp.args.JsonRestore(), 'meta/metadata')
         # Shardings in state_shape place the arrays on this run's mesh, whatever mesh saved them.
-        state = _restore_item(out, step, 'state', ocp.args.StandardRestore(state_shape))
+        template = _saved(state_shape)
+        state = template.replace(**_restore_item(out, step, 'state',
+                                                 ocp.args.StandardRestore(_fields(template))))
         _verify(state, meta)
       except Exception as e:  # pylint: disable=broad-except
         if not set_aside and not (folder(out) / str(step)).exists():

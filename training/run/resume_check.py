@@ -12,7 +12,8 @@ no flag changes them).
 
 Not compared, on purpose: ``--steps`` (raising it is how a run is extended; the
 cosine decay stretches over the new length), ``--remat`` (every policy
-computes the same function with the same parameter tree), ``--mesh`` (the
+computes the same function with the same parameter tree), ``--layout`` (every
+layout computes the same function with the same parameter tree), ``--mesh`` (the
 machine's, not the run's: the same function, summed in another order, equal
 within float rounding) and the settings that only decide what is logged or
 kept (``--eval-*``, ``--save-every``, ``--skip-nonfinite``, ``--spike-*``).

@@ -5,6 +5,10 @@ run that kept one (``--keep-best``, :mod:`training.run.best`), else the latest;
 ``which`` picks either. Nothing in the
 run folder is changed: a damaged newest checkpoint is passed over with a
 warning (the trainer's ``--resume`` is what sets such checkpoints aside).
+
+A LoRA run's checkpoint holds its adapters; its frozen base is loaded again
+from the folder its record names (or rebuilt from its seed) and checked
+against the recorded digest (:mod:`training.run.base`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 import jax
 
 from configs import ARCHS
+from models.lora import params as lora_params
 from models.tasks import Task
 from training.run import checkpoints as ckpt
 from training.step import train_step as st
@@ -33,8 +38,10 @@ class SavedRun:
     path: the run folder.
     step: the checkpoint's step.
     meta: the run record (config name, arch, model fields, policy, settings).
-    task: the model family with its config (as trained: dtype included).
-    variables: ``{'params': ..., **model_state}``, host numpy arrays.
+    task: the model family with its config (as trained: dtype and adapters included).
+    variables: ``{'params': ..., **model_state}``, host numpy arrays: the whole
+      tree (a LoRA run's base and adapters), or for ``load_run(..., base=False)``
+      of a LoRA run the trained part alone.
   """
   path: Path
   step: int
@@ -54,15 +61,26 @@ class SavedRun:
     return (f"step {self.step} (the best by {best.get('metric')} = {best.get('value'):g}, "
             f'--keep-best{then})')
 
+  @property
+  def lora(self):
+    """The run's adapters (:class:`models.lora.spec.LoraSpec`), or None for a full fine-tune."""
+    return getattr(self.task.config, 'lora', None)
 
-def load_run(run_dir, warn=lambda _: None, which: str | None = None) -> SavedRun:
+def load_run(run_dir, warn=lambda _: None, which: str | None = None, base: bool = True,
+             base_from=None, log=lambda _: None) -> SavedRun:
   """The newest intact checkpoint of ``run_dir``, or its best step (module docstring).
 
   Args:
+    run_dir: a train.py run's ``--out`` folder.
+    warn: gets one-line warnings (a damaged checkpoint passed over).
     which: 'best', 'last', or None: 'best' when the run kept one.
+    base: for a LoRA run, also load its frozen base (else only the adapters).
+    base_from: the base's folder when it has moved since training (None: the recorded one).
+    log: gets progress lines (quantizing a QLoRA base).
 
   Raises:
-    RunReadError: one line: no such folder, no checkpoint, none intact, or no best step kept.
+    RunReadError: one line: no such folder, no checkpoint, none intact, no best step kept,
+      or a LoRA base that is missing or not the one the run trained on.
   """
   from training.run.best import best_dir
   run_path = Path(run_dir)
@@ -93,7 +111,8 @@ def load_run(run_dir, warn=lambda _: None, which: str | None = None) -> SavedRun
   task = Task(config)
   train = meta.get('train', {})
   # The optimizer's state has the same tree whatever its settings; only its shape is needed.
-  tx = st.make_optimizer(1e-3, int(train.get('steps', 1)), 0, 0.0, 1.0)
+  # (Two steps at least: a one-step schedule with no warm-up has no decay to build.)
+  tx = st.make_optimizer(1e-3, max(2, int(train.get('steps', 2))), 0, 0.0, 1.0)
   size = task.default_size if task.is_vision else min(task.config.max_len, 8)
   state_shape, _ = st.abstract_inputs(task.model('none'), tx, 1, size)
   one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -108,5 +127,33 @@ def load_run(run_dir, warn=lambda _: None, which: str | None = None) -> SavedRun
   for line in passed_over:
     warn(line)
   host = jax.device_get(state)
+  params = host.params
+  if getattr(config, 'lora', None) is not None and base:
+    params = lora_params.merge(_base(run_path, meta, task, base_from, log), params)
   return SavedRun(run_path, int(host.step), meta, task,
-                  {'params': host.params, **dict(host.model_state)}, which)
+                  {'params': params, **dict(host.model_state)}, which)
+
+
+def _base(path: Path, meta: dict, task: Task, base_from, log) -> dict:
+  """A LoRA run's frozen base, loaded as it trained on it and checked against its record."""
+  from training.run import base as lora_base
+  from training.run.settings import RunError
+  rec = meta.get('base') or {}
+  folder = base_from or rec.get('init_from')
+  config = task.config
+  try:
+    now = lora_base.record(folder, rec.get('seed', 0))
+    lora_base.check(meta.get('base'), now, str(path), what=str(path))
+  except (RunError, ValueError) as e:
+    raise RunReadError(str(e)) from None
+  if folder is None:   # a random base: the seed's, as the run built it
+    model = task.model('none')
+    tx = st.make_optimizer(1e-3, 2, 0, 0.0, 1.0)
+    size = task.default_size if task.is_vision else min(config.max_len, 8)
+    return jax.device_get(st.init_state(model, tx, rec.get('seed', 0), size).frozen)
+  from models.hf.finetune import load_pretrained
+  pretrained, _ = load_pretrained(folder, task.arch, dataclasses.replace(config, lora=None),
+                                  lora_base.reader(config.lora, task.arch, config.dtype,
+                                                   config.num_layers, log))
+  frozen = lora_params.split(pretrained['params'], task.arch)[0]
+  return jax.device_get(lora_base.freeze(frozen, config.lora, task.arch, config.dtype))

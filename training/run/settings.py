@@ -10,8 +10,10 @@ import dataclasses
 from pathlib import Path
 
 from configs import DEFAULT_CONFIG, NamedConfig, config_names, load_config, with_dtype
+from models.lora.spec import QUANTIZE, LoraSpec, resolve_targets
 from models.tasks import Task
 from remat.auto_budget import is_auto, parse_budget
+from remat.layout import check_layout
 from remat.policies import Policy, get_policy
 from training.data.text_source import HF_CONFIG_PREFIX, load_named, tokenizer_for_run
 from training.run import bounds
@@ -29,10 +31,14 @@ class TrainConfig:
   must have. ``dtype`` (None: the model config's) overrides the model config's
   compute dtype (docs/precision.md). ``restart`` and ``allow_changed`` act on
   one invocation and are not recorded; ``spike_*`` are the loss guard's
-  thresholds (:mod:`training.run.loss_guard`).
+  thresholds (:mod:`training.run.loss_guard`). ``lora`` (a rank; None: full
+  fine-tuning) with ``lora_alpha`` (None: twice the rank), ``lora_dropout``,
+  ``lora_targets`` (None: every projection) and ``quantize`` make a LoRA or
+  QLoRA run (:func:`lora_spec`, docs/finetuning.md).
   """
   config: str = 'tiny'
   remat: str = 'sqrt'
+  layout: str = 'auto'   # how the layer stack becomes a program (remat.layout.LAYOUTS)
   model: str | None = None
   steps: int = 300
   batch_size: int = 16
@@ -68,6 +74,11 @@ class TrainConfig:
   eval_generate: int = 0  # --eval-generate N: greedy generation on N held-out prompts per set
   keep_best: str | None = None  # --keep-best METRIC: the best held-out step kept in <out>/best
   early_stop: int | None = None  # --early-stop P: stop after P evaluations without a better METRIC
+  lora: int | None = None  # --lora RANK: adapters on a frozen base (models/lora)
+  lora_alpha: float | None = None  # None: 2 * rank
+  lora_dropout: float = 0.0
+  lora_targets: str | None = None  # comma-separated projection names; None: all
+  quantize: str | None = None  # int8 | nf4: the frozen base stored quantized (QLoRA)
 
   @property
   def out_dir(self) -> Path:
@@ -75,6 +86,8 @@ class TrainConfig:
       return Path(self.out)
     # A bfloat16 run of the same config and policy gets its own folder (float32 keeps the name).
     suffix = f'-{self.dtype}' if self.dtype not in (None, 'float32') else ''
+    if self.lora is not None:   # an adapter run beside the full fine-tune of the same config
+      suffix += f'-lora{self.lora}' + (f'-{self.quantize}' if self.quantize else '')
     return Path('runs') / (rundir.default_name(self.config, self.remat) + suffix)
 
 
@@ -95,6 +108,14 @@ def _check_positive(cfg: TrainConfig):
     bounds.check_numbers(cfg)
   except bounds.BoundsError as e:
     raise RunError(str(e)) from None
+  if cfg.lora is None:
+    for name in ('lora_alpha', 'lora_targets'):
+      if getattr(cfg, name) is not None:
+        raise RunError(f'{_flag(name)} sets up a LoRA run: pass --lora RANK with it (e.g. --lora 16)')
+    if cfg.lora_dropout:
+      raise RunError('--lora-dropout sets up a LoRA run: pass --lora RANK with it (e.g. --lora 16)')
+  elif cfg.lora < 1:
+    raise RunError(f'--lora must be >= 1 (the rank of the adapters), got {cfg.lora}')
   resume_check.parse_allowed(cfg.allow_changed)
 
 
@@ -108,10 +129,12 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
   """
   _check_positive(cfg)
   named = with_dtype(load_named(cfg.config), cfg.dtype)
+  named = with_lora(named, lora_spec(cfg, named.arch))
   if cfg.model is not None and cfg.model != named.arch:
     raise RunError(f"--model {cfg.model} does not match config {named.name} (a {named.arch} "
                    f"model); {cfg.model} configs: {', '.join(config_names(cfg.model))}")
-  task = Task(named.model)
+  check_layout(cfg.layout)
+  task = Task(named.model, cfg.layout)
   model_cfg = named.model
   if task.is_vision:
     size = model_cfg.image_size if cfg.image_size is None else cfg.image_size
@@ -125,7 +148,7 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
     from training.data.vision_source import num_classes
     named = dataclasses.replace(named, model=dataclasses.replace(
         model_cfg, image_size=size, num_classes=num_classes(cfg.data, model_cfg.num_classes)))
-    task, model_cfg = Task(named.model), named.model
+    task, model_cfg = Task(named.model, cfg.layout), named.model
     row, what = size * size * model_cfg.channels * 4, f'{size}x{size}x{model_cfg.channels} pixels'
   else:
     if cfg.image_size is not None:
@@ -136,7 +159,7 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
       raise RunError(f'--seq-len {size} exceeds config {named.name} max_len {model_cfg.max_len}')
     # The tokenizer's vocabulary must fit the embedding (a fresh model is sized to it).
     named = tokenizer_for_run(cfg, named)[1]
-    task = Task(named.model)
+    task = Task(named.model, cfg.layout)
     row, what = (size + 1) * bounds.LM_BYTES_PER_TOKEN, f'{size + 1} tokens'
   try:
     bounds.check_batch_memory(cfg.batch_size, row, what)
@@ -147,6 +170,37 @@ def resolve(cfg: TrainConfig) -> tuple[NamedConfig, Task, int, Policy]:
     return named, task, size, None
   policy = get_policy(cfg.remat, num_layers=task.num_layers)
   return named, task, size, policy.validate(task.num_layers, task.emitted_tags(size))
+
+
+def lora_spec(cfg, arch: str) -> LoraSpec | None:
+  """The adapters the ``--lora*``/``--quantize`` settings ask for (None without ``--lora``).
+
+  ``cfg`` is a :class:`TrainConfig` or anything with those fields (bench.report's flags).
+
+  Raises:
+    RunError: one line: a rank below 1, a target no projection of ``arch`` has
+      (naming those it has), a family without adapters, a bad alpha or dropout.
+  """
+  if cfg.quantize is not None and cfg.quantize not in QUANTIZE:
+    raise RunError(f"--quantize must be one of {', '.join(QUANTIZE)}, got '{cfg.quantize}'")
+  if cfg.lora is None:
+    if cfg.quantize is not None:
+      raise RunError('--quantize stores a LoRA run\'s frozen base: pass --lora RANK with it '
+                     '(e.g. --lora 16 --quantize nf4)')
+    return None
+  try:
+    alpha = float(cfg.lora_alpha) if cfg.lora_alpha is not None else 2.0 * cfg.lora
+    return LoraSpec(rank=cfg.lora, alpha=alpha, dropout=float(cfg.lora_dropout or 0.0),
+                    targets=resolve_targets(arch, cfg.lora_targets), quantize=cfg.quantize)
+  except ValueError as e:
+    raise RunError(str(e)) from None
+
+
+def with_lora(named: NamedConfig, spec: LoraSpec | None) -> NamedConfig:
+  """``named`` with its model's adapters set to ``spec`` (None: unchanged)."""
+  if spec is None:
+    return named
+  return dataclasses.replace(named, model=dataclasses.replace(named.model, lora=spec))
 
 
 def default_config(model: str | None) -> str:

@@ -20,7 +20,6 @@ import jax
 from models.tasks import Task
 from remat import auto
 from remat.auto_budget import Budget, parse_budget
-from remat.measuring import TrainStep
 from training.step import train_step as st
 
 # The checkout that holds models/, training/ and remat/ (this file: training/step/autoremat.py).
@@ -65,11 +64,7 @@ def choose_for_run(cfg, named, task: Task, size: int, log, place=None, batch=Non
     args = (args[0], batch)
 
   def build(policy):
-    model = task.model(policy)
-    loss = lambda params, inputs: task.loss(model, params, inputs[0], inputs[1],
-                                            jax.random.PRNGKey(0))[0]
-    return TrainStep(st.make_train_step(model, tx, cfg.seed, guard=True), loss,
-                     lambda state, batch: (state.params, (state.model_state, batch)))
+    return st.measured_step(task.model(policy), tx, cfg.seed, guard=True)
 
   key = {'config': named.name, 'model': dataclasses.asdict(named.model), 'batch_size':
          cfg.batch_size, 'size': size, 'optimizer': [cfg.lr, cfg.steps, cfg.warmup_steps,

@@ -43,7 +43,7 @@ def counted(batch) -> float:
 def evaluate_loss(eval_step, state, placed: list, weights: list[float], prefix: str) -> dict:
   """``<prefix>_loss`` (and vision's ``<prefix>_accuracy``): each batch's mean weighted by its
   targets, so packed text reports the mean over the counted tokens of the evaluated rows."""
-  results = [eval_step(state.params, state.model_state, b) for b in placed]
+  results = [eval_step(state.model_params(), state.model_state, b) for b in placed]
   w = np.asarray(weights, np.float64)
   mean = lambda xs: float(np.sum(np.asarray([float(x) for x in xs]) * w) / max(w.sum(), 1.0))
   out = {f'{prefix}_loss': round(mean(l for l, _ in results), 5)}
@@ -98,8 +98,8 @@ def evaluate_sets(eval_generate: int, task, eval_step, state, sets, tokenizer, s
   for held, placed, weights in sets:
     row.update(evaluate_loss(eval_step, state, placed, weights, held.name))
     if eval_generate and held.prompts:
-      row.update(generate_metrics(task.arch, task.config, state.params, held, tokenizer, step,
-                                  generations))
+      row.update(generate_metrics(task.arch, task.config, state.model_params(), held, tokenizer,
+                                  step, generations))
   return row
 
 

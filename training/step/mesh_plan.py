@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import jax
 
+from remat.layout import compiling_for
 from remat.memory import MemoryStats, compiled_memory, format_bytes
 from remat.targets import GPU_TARGETS, TARGET_DIR, compiler_options
 from training.step.mesh import Placement
@@ -58,17 +59,21 @@ def shard_bytes(tree, shardings) -> int:
 def plan_row(place: Placement, step_fn, state, batch, spec: str) -> dict:
   """Compiles ``step_fn(state, batch)`` on ``place``'s mesh; returns the per-device shares."""
   platform = place.mesh.devices.flat[0].platform   # 'cpu', or 'gpu' for abstract GPUs
-  compiled = place.jit_train_step(step_fn, state, batch).lower(state, batch).compile(
+  with compiling_for('cpu' if platform == 'cpu' else 'gpu'):   # layout='auto' per target
+    lowered = place.jit_train_step(step_fn, state, batch).lower(state, batch)
+  compiled = lowered.compile(
       compiler_options=compiler_options('cpu' if platform == 'cpu' else 'gpu') or None)
   mem: MemoryStats = compiled_memory(compiled, platform)
   sh = place.state_shardings(state)
-  params = shard_bytes(state.params, sh.params) + shard_bytes(state.model_state, sh.model_state)
+  grads = shard_bytes(state.params, sh.params)   # what trains (a LoRA run: its adapters)
+  params = grads + shard_bytes(state.model_state, sh.model_state) + shard_bytes(state.frozen,
+                                                                                sh.frozen)
   opt = shard_bytes(state.opt_state, sh.opt_state)
   return {'policy': spec, 'mesh': dict(place.mesh.shape), 'devices': place.mesh.size,
-          'params': params, 'opt_state': opt, 'grads': params,
+          'params': params, 'opt_state': opt, 'grads': grads,
           'batch': shard_bytes(batch, place.batch_shardings(batch)),
           'argument': mem.argument, 'output': mem.output, 'alias': mem.alias, 'temp': mem.temp,
-          'temp_minus_grads': mem.temp - params, 'host_temp': mem.host_temp, 'peak': mem.peak}
+          'temp_minus_grads': mem.temp - grads, 'host_temp': mem.host_temp, 'peak': mem.peak}
 
 
 COLUMNS = (('policy', 'policy'), ('params', 'params'), ('opt_state', 'opt state'),

@@ -10,19 +10,29 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from models.lora import params as lora_params
 from models.tasks import Task
 
 
 class TrainState(struct.PyTreeNode):
-  """What a checkpoint holds: step counter, parameters, model state, optimizer state.
+  """A run's state: step counter, trained parameters, model state, optimizer state, frozen base.
 
   ``model_state`` holds non-trained variables such as BatchNorm ``batch_stats``
-  (``{}`` for models without them).
+  (``{}`` for models without them). In a LoRA run (``config.lora``) ``params``
+  holds what trains (the adapters; a vision model's head) and ``frozen`` the
+  base (:mod:`models.lora.params`): it gets no gradient and no optimizer state,
+  and a checkpoint holds everything but it (:mod:`training.run.checkpoints`);
+  otherwise ``frozen`` is None.
   """
   step: jax.Array
   params: Any
   model_state: Any
   opt_state: Any
+  frozen: Any = None
+
+  def model_params(self):
+    """The whole parameter tree the model applies (the base joined to what trains)."""
+    return lora_params.merge(self.frozen, self.params)
 
 
 def lr_schedule(lr: float, steps: int, warmup_steps: int) -> optax.Schedule:
@@ -86,11 +96,24 @@ def init_state(model: nn.Module, tx: optax.GradientTransformation, seed: int,
                size: int) -> TrainState:
   """Initial variables (the same for every remat policy) and optimizer state.
 
-  ``size`` is the sequence length (GPT) or image side (vision).
+  ``size`` is the sequence length (GPT) or image side (vision). A LoRA model's
+  random base is split off and frozen (:func:`start_state`).
   """
   params, model_state = _task(model).init_variables(model, seed, size)
+  return start_state(model, tx, params, model_state)
+
+
+def start_state(model: nn.Module, tx: optax.GradientTransformation, params,
+                model_state) -> TrainState:
+  """The step-0 state of ``params``: with ``config.lora``, the base split off and frozen
+  (compute dtype, kernels quantized under QLoRA) and the optimizer on the rest."""
+  frozen, spec = None, getattr(model.config, 'lora', None)
+  if spec is not None:
+    task = _task(model)
+    frozen, params = lora_params.split(params, task.arch)
+    frozen = lora_params.freeze(frozen, spec, task.arch, model.config.dtype)
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
-                    opt_state=tx.init(params))
+                    opt_state=tx.init(params), frozen=frozen)
 
 
 def lm_loss(model: nn.Module, params, windows, dropout_rng=None) -> jax.Array:
@@ -112,11 +135,13 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, seed: in
 
   def train_step(state: TrainState, batch):
     rng = jax.random.fold_in(jax.random.PRNGKey(seed), state.step)
-    loss_fn = lambda p: task.loss(model, p, state.model_state, batch, rng)
+    # Only the trained part is differentiated: a LoRA base gets no gradient at all.
+    loss_fn = lambda p: task.loss(model, lora_params.merge(state.frozen, p), state.model_state,
+                                  batch, rng)
     (loss, (model_state, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                     model_state=model_state, opt_state=opt_state)
+    new = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                        model_state=model_state, opt_state=opt_state)
     if not guard:
       return new, loss
     # One reduction to a scalar (the clip reduces the same gradients; XLA may share the two).
@@ -128,6 +153,29 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, seed: in
                        opt_state=keep(new.opt_state, state.opt_state)), jnp.stack(
                            [loss.astype(jnp.float32), grad_norm.astype(jnp.float32)])
   return train_step
+
+
+def measured_step(model: nn.Module, tx: optax.GradientTransformation, seed: int,
+                  guard: bool = False, dropout_seed: int = 0):
+  """The train step as :func:`remat.measure` takes it (:class:`remat.measuring.TrainStep`).
+
+  The loss it differentiates is ``loss(params, (frozen, model_state, batch))``
+  in training mode (dropout keyed by ``dropout_seed``): a LoRA run's frozen base
+  is an input of the loss, not a differentiated parameter.
+  """
+  from remat.measuring import TrainStep
+  task = _task(model)
+
+  def loss(params, inputs):
+    frozen, model_state, batch = inputs
+    return task.loss(model, lora_params.merge(frozen, params), model_state, batch,
+                     jax.random.PRNGKey(dropout_seed))[0]
+  return TrainStep(make_train_step(model, tx, seed, guard), loss, loss_inputs)
+
+
+def loss_inputs(state: TrainState, batch):
+  """``(params, (frozen, model_state, batch))``: the arguments of :func:`measured_step`'s loss."""
+  return state.params, (state.frozen, state.model_state, batch)
 
 
 def abstract_inputs(model: nn.Module, tx: optax.GradientTransformation, batch_size: int,
@@ -152,7 +200,10 @@ def compile_train_step(model: nn.Module, tx: optax.GradientTransformation, seed:
 
 
 def make_eval_step(model: nn.Module):
-  """Returns ``eval(params, model_state, batch) -> (loss, metrics)`` in inference mode."""
+  """Returns ``eval(params, model_state, batch) -> (loss, metrics)`` in inference mode.
+
+  ``params`` is the whole tree (:meth:`TrainState.model_params`).
+  """
   task = _task(model)
 
   def eval_step(params, model_state, batch):
