@@ -58,3 +58,32 @@ def test_the_context_bounds_generation():
   assert len(got[0]) == 2   # 30 prompt tokens + 2 = max_len 32
   with pytest.raises(ValueError, match='prompts need 1 to 32'):
     greedy_generate('gpt', model.config, params, [[1] * 33], 1, None)
+
+
+def test_a_lora_models_greedy_generation_includes_its_adapters():
+  """--eval-generate and training.sample decode a LoRA run: its adapters must count, token for
+  token as the LoRA model itself computes."""
+  import dataclasses
+  from models.lora.spec import LoraSpec
+  base = MODELS['llama']
+  model = Llama(dataclasses.replace(base.config, lora=LoraSpec(rank=4)))
+  params = model.init(jax.random.PRNGKey(1), jnp.zeros((1, 8), jnp.int32))['params']
+  keys = iter(jax.random.split(jax.random.PRNGKey(3), 64))
+
+  def scaled(path, a):
+    name = path[-1].key if hasattr(path[-1], 'key') else ''
+    if name == 'lora_b':   # zero at init: nonzero here, so the adapters change the argmax
+      return jax.random.normal(next(keys), a.shape, a.dtype)
+    return a * 8 if a.ndim >= 2 and jnp.issubdtype(a.dtype, jnp.floating) else a
+  params = jax.tree_util.tree_map_with_path(scaled, params)
+  prompts = [[1, 2, 3], [7, 8, 9, 10]]
+  got = greedy_generate('llama', model.config, params, prompts, 8, None)
+  assert got == [_reference(model, params, p, 8) for p in prompts]
+  # Without the adapters the continuation differs: the test would catch them being dropped.
+  assert got != greedy_generate('llama', base.config, _without_adapters(params), prompts, 8, None)
+
+
+def _without_adapters(tree):
+  if isinstance(tree, dict):
+    return {k: _without_adapters(v) for k, v in tree.items() if k not in ('lora_a', 'lora_b')}
+  return tree
