@@ -114,6 +114,18 @@ def test_run_export_and_sample(tmp_path, monkeypatch, capsys):
   model = transformers.AutoModelForCausalLM.from_pretrained(out)
   assert next(model.parameters()).dtype == torch.bfloat16
   assert sample_cli.main([str(run), '--prompt', 'which colour', '--max-new-tokens', '3']) == 0
-  assert capsys.readouterr().out.strip()
+  alone = capsys.readouterr().out.rstrip('\n')
+  assert alone.strip()
+  # --prompts: one JSON line per prompt, in one batch; each what --prompt gives alone.
+  prompts = write_jsonl(tmp_path / 'p.jsonl', [{'prompt': 'which colour'}, {'prompt': 'the cat'},
+                                               {'prompt': 'question 5: which'}])
+  assert sample_cli.main([str(run), '--prompts', str(prompts), '--max-new-tokens', '3']) == 0
+  got = [json.loads(l) for l in capsys.readouterr().out.splitlines()]
+  assert [g['prompt'] for g in got] == ['which colour', 'the cat', 'question 5: which']
+  assert got[0]['completion'] == alone
+  (tmp_path / 'bad.jsonl').write_text('{"text": "x"}\n')
+  assert sample_cli.main([str(run), '--prompts', str(tmp_path / 'bad.jsonl')]) == 2
+  err = capsys.readouterr().err
+  assert err.count('\n') == 1 and 'line 1: a row needs a string "prompt"' in err
   assert export_cli.main([str(run), str(out)]) == 2   # OUT_DIR exists: nothing overwritten
   assert 'already exists' in capsys.readouterr().err

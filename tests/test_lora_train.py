@@ -240,8 +240,9 @@ def test_gpt2_adapters_export_as_one_fused_c_attn_adapter_for_peft(data, tmp_pat
   transformers.GPT2LMHeadModel(transformers.GPT2Config(
       vocab_size=256, n_positions=64, n_embd=32, n_layer=2, n_head=2)).save_pretrained(folder)
   out = tmp_path / 'run'
+  # --seq-len 60: rows are packed whole, and the longest byte row is 53 tokens.
   assert cli.main(['--init-from', str(folder), '--data', str(data), '--tokenizer', 'bytes',
-                   '--batch-size', '4', '--seq-len', '32', '--lr', '1e-2', '--warmup-steps', '1',
+                   '--batch-size', '4', '--seq-len', '60', '--lr', '1e-2', '--warmup-steps', '1',
                    '--steps', '3', '--eval-every', '100', '--eval-batches', '1',
                    '--no-memory-report', '--out', str(out), '--lora', '2',
                    '--lora-targets', 'query,value,c_fc']) == 0

@@ -32,7 +32,7 @@ def test_tokenizer_reads_the_end_of_text_token(tok, tmp_path):
 def test_prompt_is_masked_and_documents_end_with_eot(tok, tmp_path):
   items = rows(30)
   data = write_jsonl(tmp_path / 'd.jsonl', items)
-  got = load_tokens(str(data), tok, 16, cache=tmp_path / 'cache')
+  got = load_tokens(str(data), tok, 32, cache=tmp_path / 'cache')
   assert got.num_documents == 30 and not got.cached
   # Document 0 is the first training document (every 10th, from the 10th, is held out).
   first = items[0]
@@ -48,13 +48,13 @@ def test_prompt_is_masked_and_documents_end_with_eot(tok, tmp_path):
 
 def test_second_load_reads_the_cache(tok, tmp_path):
   data = write_jsonl(tmp_path / 'd.jsonl', rows(12))
-  first = load_tokens(str(data), tok, 8, cache=tmp_path / 'c')
-  second = load_tokens(str(data), tok, 8, cache=tmp_path / 'c')
+  first = load_tokens(str(data), tok, 32, cache=tmp_path / 'c')
+  second = load_tokens(str(data), tok, 32, cache=tmp_path / 'c')
   assert (first.cached, second.cached) == (False, True)
   assert isinstance(second.train.tokens, np.memmap)
   np.testing.assert_array_equal(first.train.tokens, second.train.tokens)
   write_jsonl(data, rows(13))   # other data: another cache entry
-  assert not load_tokens(str(data), tok, 8, cache=tmp_path / 'c').cached
+  assert not load_tokens(str(data), tok, 32, cache=tmp_path / 'c').cached
   assert len(list((tmp_path / 'c').iterdir())) == 2
 
 
@@ -69,9 +69,9 @@ def test_windows_are_packed_with_segments_and_restarting_positions(tok, tmp_path
   segs, pos = b['segment_ids'], b['positions']
   assert (segs[:, 0] == 0).all() and (pos[:, 0] == 0).all()
   new_doc = np.diff(segs, axis=1) != 0
-  assert new_doc.any()   # windows of 33 tokens span documents of ~15
+  assert new_doc.any()   # windows of 33 tokens hold rows of ~20 and padding
   np.testing.assert_array_equal(pos[:, 1:], np.where(new_doc, 0, pos[:, :-1] + 1))
-  # A document starts right after an end-of-text token.
+  # A row ends with an end-of-text token, so a new segment starts right after one.
   assert (b['tokens'][:, :-1][new_doc] == tok.eot_id).all()
   # A process's share on a mesh: its rows of the same global batch, the rest left zero.
   share = got.batch(3, 4, 32, 7, rows=(1, 3))
@@ -100,7 +100,7 @@ def test_text_files_with_a_tokenizer_and_bytes_with_jsonl(tok, tmp_path):
   # Byte-level jsonl: no end-of-text token; the documents are told apart by segments alone.
   data = write_jsonl(tmp_path / 'd.jsonl', [{'text': 'a' * 20},
                                             {'prompt': 'b' * 10, 'completion': 'c' * 10}])
-  got = load_tokens(str(data), ByteTokenizer(), 1, cache=tmp_path / 'c')
+  got = load_tokens(str(data), ByteTokenizer(), 24, cache=tmp_path / 'c')
   both = lambda f: np.concatenate([f(got.train), f(got.val)])
   assert bytes(both(lambda s: s.tokens).astype(np.uint8)) == b'a' * 20 + b'b' * 10 + b'c' * 10
   np.testing.assert_array_equal(both(lambda s: s.mask), [1] * 20 + [0] * 10 + [1] * 10)

@@ -37,7 +37,7 @@ def _entries(cache: Path) -> list[str]:
 
 
 def _load(data, tok, cache, warned=None):
-  return load_tokens(str(data), tok, 8, cache=cache,
+  return load_tokens(str(data), tok, 32, cache=cache,
                      warn=(warned.append if warned is not None else pytest.fail))
 
 
@@ -57,7 +57,7 @@ def rename(src, dst):
       time.sleep(0.01)
   real(src, dst)
 os.rename = rename
-got = load_tokens({data!r}, load_tokenizer({tok!r}), 8, cache=Path({cache!r}))
+got = load_tokens({data!r}, load_tokenizer({tok!r}), 32, cache=Path({cache!r}))
 print(got.cached, int(got.train.tokens.sum()))
 '''
 
@@ -194,10 +194,10 @@ def test_data_a_run_cannot_use_leaves_no_entry(tok, tmp_path):
     _load(data, tok, tmp_path / 'cache')
 
   def refuse(train, val):
-    raise DataError(f'{val} held-out tokens are not enough')
+    raise DataError(f'{val} held-out windows are not enough')
   data = write_jsonl(tmp_path / 'e.jsonl', rows(30))
-  with pytest.raises(DataError, match='held-out tokens are not enough'):
-    load_tokens(str(data), tok, 8, cache=tmp_path / 'cache', warn=pytest.fail, check=refuse)
+  with pytest.raises(DataError, match='held-out windows are not enough'):
+    load_tokens(str(data), tok, 32, cache=tmp_path / 'cache', warn=pytest.fail, check=refuse)
   assert _entries(tmp_path / 'cache') == []
 
 

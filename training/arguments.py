@@ -52,6 +52,17 @@ def positive_ints(text: str) -> list[int]:
   return [positive_int(s.strip()) for s in text.split(',') if s.strip()]
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """Adds ``(default: X)`` to a flag's help only where the help does not say its default itself
+  and the default is a value (argparse's own appends ``(default: None)`` to every flag whose
+  default comes from elsewhere: the config, the resumed run)."""
+
+  def _get_help_string(self, action):
+    if '(default' in (action.help or '') or action.default is None:
+      return action.help
+    return super()._get_help_string(action)
+
+
 class OneLineParser(argparse.ArgumentParser):
   """``argparse.ArgumentParser`` whose errors are one line on stderr and exit code 2.
 

@@ -10,7 +10,7 @@ from configs import DEFAULT_CONFIG, config_names
 from remat.layout import LAYOUTS
 from remat.policies import PolicyError, list_policies
 from remat.targets import prefer_cpu_without_gpu
-from training.arguments import OneLineParser, add_lora_flags
+from training.arguments import DefaultsHelpFormatter, OneLineParser, add_lora_flags
 from training.data import DataError
 from training.data.text_source import load_named
 from training.run import bounds
@@ -24,7 +24,8 @@ _FLAGS = {  # flag -> (type, help); defaults come from the named config, then Tr
     'grad_accum': (int, 'gradient accumulation: the batch in K microbatches of batch-size / K, '
                         'one update from their float32 gradient sums (activations sized by the '
                         'microbatch; docs/training.md)'),
-    'seq_len': (int, 'gpt: tokens (bytes) per sequence, at most the config max_len'),
+    'seq_len': (int, 'gpt/llama: tokens per sequence (bytes for byte-level text), at most the '
+                     'config max_len'),
     'image_size': (int, 'vit/resnet: image side in pixels (a ViT: a multiple of its patch size; '
                         'positions from --init-from are resampled to it)'),
     'lr': (float, 'peak AdamW learning rate (linear warmup, cosine decay to 10%%)'),
@@ -49,12 +50,22 @@ _FLAGS = {  # flag -> (type, help); defaults come from the named config, then Tr
 }
 
 
+def crop_scale(text: str) -> tuple[float, float]:
+  """``MIN,MAX``: two numbers (their range is checked with the other settings)."""
+  parts = text.split(',')
+  try:
+    low, high = (float(x) for x in parts)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f'{text!r} is not MIN,MAX (two numbers, e.g. 0.5,1)') from None
+  return low, high
+
+
 def build_parser() -> argparse.ArgumentParser:
   p = OneLineParser(
       prog='train.py',
       description='Train a GPT-2-style byte-level model, or a ViT / ResNet on procedural images, '
                   'with a named remat policy.',
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+      formatter_class=DefaultsHelpFormatter)
   p.add_argument('--remat', default=None, metavar='SPEC',
                  help="remat policy spec, e.g. none, full, dots, names:query_proj,out_proj, sqrt, "
                       "seg:4, full@sqrt, 4xfull+none; or a memory budget, auto:SIZE (auto:8GiB), "
@@ -79,11 +90,36 @@ def build_parser() -> argparse.ArgumentParser:
                  help='compute dtype: float32 or bfloat16 (parameters and optimizer state stay '
                       "float32; docs/precision.md) (default: the config's, or the resumed run's)")
   p.add_argument('--data', default=None, metavar='PATH',
-                 help="gpt/llama: text file, .jsonl file (rows {\"text\"} or {\"prompt\", "
-                      "\"completion\"}: loss on the completion only) or a folder of either "
+                 help="gpt/llama: text file, .jsonl file (rows {\"text\"}, {\"prompt\", "
+                      "\"completion\"}: loss on the completion only, or {\"messages\"}: the "
+                      "tokenizer's chat template, loss on assistant turns) or a folder of either "
                       "(default: this Python's stdlib source); vit/resnet: an image folder, "
                       "DIR/<class>/*.png|jpg|jpeg or DIR/train/<class>/... and DIR/val/<class>/... "
                       "(default: procedural shapes)")
+  p.add_argument('--eval-data', default=None, action='append', metavar='PATH',
+                 help='gpt/llama: a .jsonl or text file (or a folder) of held-out rows, every '
+                      "row evaluated (metrics eval_<its stem>_loss, ...) beside --data's own "
+                      'held-out split; may be given several times')
+  p.add_argument('--eval-generate', type=int, default=None, metavar='N',
+                 help='gpt/llama: at each evaluation, greedy generation (a KV cache) on the '
+                      'first N prompt/completion rows of each held-out set: exact match and '
+                      'token accuracy beside the loss, each row in OUT/generations.jsonl '
+                      '(default: 0, none)')
+  p.add_argument('--keep-best', default=None, metavar='METRIC',
+                 help='keep the step with the best value of this held-out metric (val_loss, '
+                      'val_accuracy, val_exact_match, eval_<name>_loss, ...; lower is better for '
+                      '*_loss) in OUT/best, apart from the rotation; training.export and '
+                      'training.sample take it by default')
+  p.add_argument('--early-stop', type=int, default=None, metavar='PATIENCE',
+                 help='with --keep-best: stop after PATIENCE evaluations in a row without a '
+                      'better value, saving the last state')
+  p.add_argument('--augment', default=None, choices=('none', 'flip', 'crop', 'crop+flip'),
+                 help='vit/resnet image folders: the training images\' augmentation, a random '
+                      'resized crop, a horizontal flip (wrong where orientation is the label), '
+                      'both or none (default: crop+flip)')
+  p.add_argument('--crop-scale', default=None, type=crop_scale, metavar='MIN,MAX',
+                 help="vit/resnet image folders: the random crop's share of the image area "
+                      '(default: 0.08,1, torchvision\'s)')
   p.add_argument('--tokenizer', default=None, metavar='PATH',
                  help="gpt/llama: a tokenizer.json or a folder holding one, or 'bytes' "
                       "(default: the --init-from folder's tokenizer, else bytes)")
@@ -109,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                       'no-op on the CPU backend; docs/training.md)')
   add_lora_flags(p)
   meshlib.add_flags(p)
+  p.add_argument('--tensorboard', action='store_true', default=None,
+                 help='also write the metric rows (learning rate included) as TensorBoard scalars '
+                      'to OUT/tensorboard (needs tensorboardX: pip install -e ".[tensorboard]")')
   p.add_argument('--no-memory-report', dest='memory_report', action='store_false',
                  help='skip compiling the no-remat step for the start-up memory line')
   return p
@@ -119,6 +158,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
   the resumed run's recorded settings (with --resume), explicit flags."""
   valid = {f.name for f in dataclasses.fields(TrainConfig)}
   flags = {k: v for k, v in vars(args).items() if v is not None and k in valid}
+  if 'eval_data' in flags:
+    flags['eval_data'] = tuple(flags['eval_data'])
   recorded = {}
   if args.resume or args.restart:
     known = {k: v for k, v in flags.items() if k in ('config', 'remat', 'out', 'dtype')}
@@ -154,7 +195,7 @@ def main(argv=None) -> int:
   except DivergedError as e:  # its own code: the settings were valid, the run was not
     print(f'train.py: error: {e}', file=sys.stderr)
     return 3
-  except (PolicyError, DataError, RunError, ValueError) as e:
+  except (PolicyError, DataError, RunError, ValueError) as e:   # TensorBoardError among them
     print(f'train.py: error: {e}', file=sys.stderr)
     return 2
   except KeyboardInterrupt:

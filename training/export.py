@@ -89,8 +89,9 @@ def write_weights(folder: Path, state_dict: dict[str, np.ndarray], max_bytes: in
 
 def export(run_dir, out_dir, dtype: str = 'float32', max_shard_bytes: int = DEFAULT_SHARD_BYTES,
            log=print, warn=lambda m: print(f'training.export: warning: {m}', file=sys.stderr),
-           adapter: bool = False, base_from=None) -> Path:
-  """Writes the Hugging Face folder of ``run_dir``'s latest checkpoint to ``out_dir``.
+           which: str | None = None, adapter: bool = False, base_from=None) -> Path:
+  """Writes the Hugging Face folder of ``run_dir``'s best step (``--keep-best``) or latest
+  checkpoint (``which``: :func:`training.run.saved_run.load_run`) to ``out_dir``.
 
   Args:
     adapter: write a LoRA run's adapters as a PEFT folder (module docstring).
@@ -115,8 +116,8 @@ def export(run_dir, out_dir, dtype: str = 'float32', max_shard_bytes: int = DEFA
     raise ExportError(f"'{out}' already exists and is not an empty folder; give a new OUT_DIR")
   _check_writable(out)   # before the checkpoint is read: a wrong OUT_DIR costs nothing
   if adapter:
-    return _export_adapter(run_dir, out, dtype, log, warn)
-  run = load_run(run_dir, warn, base_from=base_from, log=log)
+    return _export_adapter(run_dir, out, dtype, log, warn, which)
+  run = load_run(run_dir, warn, which, base_from=base_from, log=log)
   merged = f' with its {run.lora.describe()} merged' if run.lora is not None else ''
   if run.lora is not None:   # the adapters folded into the base: the model as it was trained
     run = dataclasses.replace(run, task=Task(dataclasses.replace(run.task.config, lora=None)),
@@ -151,17 +152,17 @@ def export(run_dir, out_dir, dtype: str = 'float32', max_shard_bytes: int = DEFA
     return ['config.json'] + write_weights(tmp, state_dict, max_shard_bytes)
   files = _write_folder(out, run_dir, weights, extra)
   size = sum(a.nbytes for a in state_dict.values())
-  log(f'exported step {run.step} of {run_dir} ({arch}{merged}, {size / 2**20:.1f} MiB of {dtype} '
+  log(f'exported {run.described} of {run_dir} ({arch}{merged}, {size / 2**20:.1f} MiB of {dtype} '
       f"weights) to {out}: {', '.join(files)}")
   return out
 
 
-def _export_adapter(run_dir, out: Path, dtype: str, log, warn) -> Path:
+def _export_adapter(run_dir, out: Path, dtype: str, log, warn, which=None) -> Path:
   """Writes a LoRA run's adapters as a PEFT folder (module docstring)."""
   from models.hf.export_adapter import AdapterExportError, peft_adapter
   from safetensors.numpy import save_file
   from training.run.saved_run import load_run
-  run = load_run(run_dir, warn, base=False)   # the adapters alone: the base is not needed
+  run = load_run(run_dir, warn, which, base=False)   # the adapters alone: no base needed
   if run.lora is None:
     raise ExportError(f"'{run_dir}' was trained without --lora, so it has no adapters; export "
                       'the whole model without --adapter')
@@ -180,7 +181,7 @@ def _export_adapter(run_dir, out: Path, dtype: str, log, warn) -> Path:
     return ['adapter_config.json', 'adapter_model.safetensors']
   files = _write_folder(out, run_dir, weights, {})
   size = sum(a.nbytes for a in state_dict.values())
-  log(f'exported the LoRA adapters of step {run.step} of {run_dir} ({run.lora.describe()}; '
+  log(f'exported the LoRA adapters of {run.described} of {run_dir} ({run.lora.describe()}; '
       f'{size / 2**20:.1f} MiB of {dtype}) as a PEFT folder to {out}: {", ".join(files)}')
   return out
 
@@ -301,13 +302,16 @@ def main(argv=None) -> int:
   p.add_argument('--max-shard-size', type=parse_size, default=DEFAULT_SHARD_BYTES, metavar='SIZE',
                  help='largest safetensors file before the weights are sharded with an index '
                       '(default: 5GB, as save_pretrained)')
+  p.add_argument('--checkpoint', choices=('best', 'last'), default=None,
+                 help="the run's best step (kept by --keep-best) or its last (default: best "
+                      'when the run kept one)')
   args = p.parse_args(argv)
   try:
     from remat.targets import prefer_cpu_without_gpu
     prefer_cpu_without_gpu()
     from training.run.saved_run import RunReadError
-    export(args.run_dir, args.out_dir, args.dtype, args.max_shard_size, adapter=args.adapter,
-           base_from=args.base)
+    export(args.run_dir, args.out_dir, args.dtype, args.max_shard_size, which=args.checkpoint,
+           adapter=args.adapter, base_from=args.base)
   except (ExportError, RunReadError, ValueError) as e:
     print(f'training.export: error: {e}', file=sys.stderr)
     return 2

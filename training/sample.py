@@ -1,4 +1,5 @@
-"""``python -m training.sample RUN_DIR --prompt TEXT``: a text run's continuation of a prompt.
+"""``python -m training.sample RUN_DIR --prompt TEXT`` (or ``--prompts FILE``): a text run's
+continuation of a prompt.
 
 Loads the run's latest checkpoint and the tokenizer it trained with (its saved
 copy; bytes for a byte-level run), then generates one token at a time: greedy
@@ -7,11 +8,17 @@ of the logits divided by the temperature (seeded by ``--seed``). It stops
 after ``--max-new-tokens`` or at the tokenizer's end-of-text token, and
 prints the continuation alone.
 
-There is no KV cache: every step reruns the model over a fixed window (the
-prompt and the tokens so far, right-padded to one length, so the step is
-compiled once; a causal model's logit at a position does not see the
-padding after it). At the sizes trained here that costs milliseconds a token.
-Beyond the model's ``max_len`` the window keeps the latest ``max_len`` tokens.
+Greedy generation keeps a KV cache (:func:`models.kv_decode.greedy_generate`) and
+stops at the model's context. Sampling reruns the model over a fixed window
+for every token (the prompt and the tokens so far, right-padded to one length,
+so the step is compiled once; a causal model's logit at a position does not
+see the padding after it); beyond the model's ``max_len`` the window keeps the
+latest ``max_len`` tokens.
+
+``--prompts FILE`` continues every prompt of a file (one per line of a text
+file, or the ``"prompt"`` of each row of a ``.jsonl`` file), greedy ones in
+batches of :data:`PROMPT_BATCH`, and prints one JSON line per prompt:
+``{"prompt": ..., "completion": ...}``.
 """
 
 from __future__ import annotations
@@ -23,6 +30,9 @@ import numpy as np
 from training.arguments import OneLineParser
 
 
+PROMPT_BATCH = 64   # prompts generated together (one KV cache of this many rows)
+
+
 class SampleError(ValueError):
   """Unusable sampling settings or run; the message is one line."""
 
@@ -32,13 +42,10 @@ def generate(run, tokenizer, prompt: str, max_new_tokens: int, temperature: floa
   """The ids generated after ``prompt`` (module docstring)."""
   import jax
   import jax.numpy as jnp
-  ids = [int(i) for i in tokenizer.encode(prompt)]
-  if not ids:
-    raise SampleError('--prompt is empty after tokenizing; give some text')
+  ids = _ids(run, tokenizer, prompt)
   cfg = run.task.config
-  if max(ids) >= cfg.vocab_size:
-    raise SampleError(f'the prompt has token id {max(ids)}, beyond the model vocabulary '
-                      f'{cfg.vocab_size}')
+  if temperature == 0:
+    return greedy_batch(run, tokenizer, [ids], max_new_tokens)[0]
   window = min(cfg.max_len, len(ids) + max_new_tokens)
   model = run.task.model('none')
   params = jax.tree_util.tree_map(jnp.asarray, run.variables)
@@ -50,28 +57,90 @@ def generate(run, tokenizer, prompt: str, max_new_tokens: int, temperature: floa
     toks = np.zeros((1, window), np.int32)
     toks[0, :len(ctx)] = ctx
     logits = np.asarray(logits_at(params, toks, len(ctx) - 1), np.float64)
-    if temperature == 0:
-      nxt = int(np.argmax(logits))
-    else:
-      z = logits / temperature
-      p = np.exp(z - z.max())
-      nxt = int(rng.choice(len(p), p=p / p.sum()))
+    z = logits / temperature
+    p = np.exp(z - z.max())
+    nxt = int(rng.choice(len(p), p=p / p.sum()))
     if nxt == tokenizer.eot_id:
       break
     out.append(nxt)
   return out
 
 
+def _ids(run, tokenizer, prompt: str, where: str = '--prompt') -> list[int]:
+  ids = [int(i) for i in tokenizer.encode(prompt)]
+  if not ids:
+    raise SampleError(f'{where} is empty after tokenizing; give some text')
+  cfg = run.task.config
+  if max(ids) >= cfg.vocab_size:
+    raise SampleError(f'{where} has token id {max(ids)}, beyond the model vocabulary '
+                      f'{cfg.vocab_size}')
+  return ids
+
+
+def greedy_batch(run, tokenizer, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+  """Greedy continuations of token-id prompts with a KV cache, cut before end-of-text.
+
+  Raises:
+    SampleError: a prompt that fills the model's context (a KV cache does not slide).
+  """
+  longest = max(len(p) for p in prompts)
+  if longest >= run.task.config.max_len:
+    raise SampleError(f"a prompt has {longest} tokens; the model's context is "
+                      f'{run.task.config.max_len}, which leaves no room to generate greedily '
+                      '(--temperature above 0 keeps the latest tokens instead)')
+  import jax
+  import jax.numpy as jnp
+  from models.kv_decode import greedy_generate
+  params = jax.tree_util.tree_map(jnp.asarray, run.variables['params'])
+  return greedy_generate(run.task.arch, run.task.config, params, prompts, max_new_tokens,
+                         tokenizer.eot_id)
+
+
+def read_prompts(path: str) -> list[str]:
+  """The prompts of ``path``: each line of a text file, or each ``.jsonl`` row's ``"prompt"``."""
+  import json
+  from pathlib import Path
+  try:
+    lines = Path(path).read_text(encoding='utf-8').splitlines()
+  except (OSError, UnicodeDecodeError) as e:
+    raise SampleError(f"--prompts '{path}' cannot be read: "
+                      f"{getattr(e, 'strerror', None) or e.__class__.__name__}") from None
+  if not path.endswith('.jsonl'):
+    prompts = [l for l in lines if l.strip()]
+  else:
+    prompts = []
+    for number, line in enumerate(lines, 1):
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+      except ValueError:
+        row = None
+      if not (isinstance(row, dict) and isinstance(row.get('prompt'), str)):
+        raise SampleError(f'--prompts {path} line {number}: a row needs a string "prompt"')
+      prompts.append(row['prompt'])
+  if not prompts:
+    raise SampleError(f"--prompts '{path}' holds no prompt")
+  return prompts
+
+
 def main(argv=None) -> int:
   p = OneLineParser(prog='python -m training.sample',
                     description="Print a text run's continuation of a prompt.")
   p.add_argument('run_dir', metavar='RUN_DIR', help="a gpt/llama train.py run's --out folder")
-  p.add_argument('--prompt', required=True, help='the text to continue')
+  which = p.add_mutually_exclusive_group(required=True)
+  which.add_argument('--prompt', help='the text to continue')
+  which.add_argument('--prompts', metavar='FILE',
+                     help='continue every prompt of FILE (a line each, or .jsonl rows with '
+                          '"prompt"); prints a JSON line {"prompt", "completion"} per prompt')
   p.add_argument('--max-new-tokens', type=int, default=64, metavar='N',
                  help='tokens to generate at most (default: 64)')
   p.add_argument('--temperature', type=float, default=0.0, metavar='T',
                  help='0: greedy; above 0: sample from softmax(logits / T) (default: 0)')
   p.add_argument('--seed', type=int, default=0, help='seed of the sampling (default: 0)')
+  p.add_argument('--checkpoint', choices=('best', 'last'), default=None,
+                 help="the run's best step (kept by --keep-best) or its last (default: best "
+                      'when the run kept one)')
   p.add_argument('--base', default=None, metavar='HF_FOLDER',
                  help="a LoRA run's base checkpoint, if it moved since training (checked against "
                       "the run's record)")
@@ -96,7 +165,8 @@ def _sample(args) -> int:
       raise SampleError(f'--temperature must be a finite number >= 0, got {args.temperature}')
     check_seed(args.seed)
     run = load_run(args.run_dir, lambda m: print(f'training.sample: warning: {m}',
-                                                 file=sys.stderr), base_from=args.base)
+                                                 file=sys.stderr), args.checkpoint,
+                   base_from=args.base)
     if run.task.is_vision:
       raise SampleError(f"'{args.run_dir}' is a {run.task.arch} run; sampling needs a gpt or "
                         'llama run')
@@ -105,12 +175,29 @@ def _sample(args) -> int:
       raise SampleError(f"--max-new-tokens must be <= the model's context of {context} tokens, "
                         f'got {args.max_new_tokens}')
     tokenizer = run_tokenizer(args.run_dir)
-    out = generate(run, tokenizer, args.prompt, args.max_new_tokens, args.temperature,
-                   args.seed)
+    if args.prompts is None:
+      outs = [generate(run, tokenizer, args.prompt, args.max_new_tokens, args.temperature,
+                       args.seed)]
+    else:
+      texts = read_prompts(args.prompts)
+      ids = [_ids(run, tokenizer, t, f'--prompts {args.prompts} prompt {i + 1}')
+             for i, t in enumerate(texts)]
+      outs = []
+      for i in range(0, len(ids), PROMPT_BATCH):
+        if args.temperature == 0:
+          outs += greedy_batch(run, tokenizer, ids[i:i + PROMPT_BATCH], args.max_new_tokens)
+        else:
+          outs += [generate(run, tokenizer, t, args.max_new_tokens, args.temperature,
+                            args.seed + i + j) for j, t in enumerate(texts[i:i + PROMPT_BATCH])]
   except (SampleError, RunReadError, BoundsError, ValueError) as e:
     print(f'training.sample: error: {e}', file=sys.stderr)
     return 2
-  print(tokenizer.decode(out))
+  if args.prompts is None:
+    print(tokenizer.decode(outs[0]))
+  else:
+    import json
+    for text, out in zip(texts, outs):
+      print(json.dumps({'prompt': text, 'completion': tokenizer.decode(out)}))
   return 0
 
 

@@ -19,18 +19,21 @@ from configs import NamedConfig
 from models.tasks import Task
 from remat.memory import MemoryStats, compiled_memory, format_bytes
 from remat.policies import Policy, get_policy
-from training.data.text_source import HF_CONFIG_PREFIX, open_text, tokenizer_for_run
+from training.data.text_source import HF_CONFIG_PREFIX, byte_stream, open_text, tokenizer_for_run
 from models.lora import params as lora_params
 from training.run import base as lora_base
+from training.run import best as best_lib
 from training.run import checkpoints as ckpt
 from training.run import resume_check
 from training.run import rundir
+from training.run import tensorboard
 from training.run import tokenizer_copy
 from training.run.loss_guard import GuardConfig, LossGuard
 from training.run.settings import (  # noqa: F401  (the run's settings, re-exported for callers)
     DivergedError, RunError, TrainConfig, default_config, matching_config,
     resolve)
 from training.step import mesh as meshlib
+from training.step import held_out_eval as hev
 from training.step import train_step as st
 
 
@@ -118,7 +121,11 @@ def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
       log(f'--init-from: {note}')
   if cfg.config.startswith(HF_CONFIG_PREFIX):
     log(f'model: no shipped config has the shape of {cfg.init_from}; built from its config.json')
+  if cfg.tensorboard:
+    tensorboard.check_available()
   data = _data(cfg, task, size, log, warn, place)
+  best_lib.check_metric(cfg.keep_best, cfg.early_stop,
+                        hev.logged_metrics(cfg.eval_generate, task.is_vision, data[3]))
   auto_choice = None
   if policy is None:
     from training.step.autoremat import choose_for_run
@@ -254,8 +261,12 @@ def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
   if cfg.resume and saved_step is None:  # the run was killed before its first save completed
     warn(f'no complete checkpoint in {out} (the run ended before its first save); starting '
          "from step 0 with the run's recorded settings")
-  batch_at, val, data_meta = data
-  log(f'model: {named.name} ({named.description}) | dtype: {named.model.dtype} | policy: '
+  batch_at, val, data_meta, held_out = data
+  # A config's description speaks of its default data (vit-tiny's procedural shapes): a run on
+  # its own --data names the config alone; the data line says what it trains on.
+  about = ('' if cfg.data and not cfg.config.startswith(HF_CONFIG_PREFIX)
+           else f' ({named.description})')
+  log(f'model: {named.name}{about} | dtype: {named.model.dtype} | policy: '
       f'{policy.spec}: {policy.description}')
 
   model = task.model(policy)
@@ -347,7 +358,8 @@ def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
     except OSError as e:
       raise rundir.DiskFullError(_disk_full_line(e, out)) if rundir.is_disk_full(e) else e
     try:
-      rows = _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, metrics,
+      rows = _loop(cfg, task, size, policy, step_fn, state, batch_at, held_out, model, meta,
+                   metrics,
                    mngr, log, warn, place, guard, record)
     finally:
       ckpt.close(mngr)
@@ -394,13 +406,21 @@ def _disk_full_line(e: BaseException, out: Path) -> str:
   return f"{what or f'no space left on device in {out}'}; {intact}"
 
 
-def _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, metrics, mngr,
+def _loop(cfg, task, size, policy, step_fn, state, batch_at, held_out, model, meta, metrics, mngr,
           log, warn, place, guard: LossGuard, record: dict | None) -> list[dict]:
   out = cfg.out_dir
   eval_step = st.make_eval_step(model)
-  val = [place.put_batch(b) for b in val]
+  # Weights from the host's copy of each batch, before placing.
+  sets = [(h, [place.put_batch(b) for b in h.batches], [hev.counted(b) for b in h.batches])
+          for h in held_out]
+  tokenizer = None if task.is_vision else tokenizer_for_run(cfg)[0]
+  generations = out / 'generations.jsonl' if place.is_primary else None
   rows = []
   start = int(state.step)
+  lr_at = st.LrTable(st.lr_schedule(cfg.lr, cfg.steps, cfg.warmup_steps))   # each update's rate
+  board = tensorboard.Writer(out) if cfg.tensorboard and place.is_primary else None
+  keeper = (best_lib.Keeper(out, cfg.keep_best, cfg.early_stop, rundir.kept_rows(out, start))
+            if cfg.keep_best else None)
   bad_in_row = 0
   # Throughput unit: tokens (bytes) for GPT, images for vision.
   unit, per_step = ('img', cfg.batch_size) if task.is_vision else ('tok', cfg.batch_size * size)
@@ -414,6 +434,7 @@ def _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, m
       t1 = time.perf_counter()
       finite = math.isfinite(loss) and math.isfinite(grad_norm)
       row = {'step': step + 1, 'loss': round(loss, 5), 'grad_norm': round(grad_norm, 5),
+             'lr': float(f'{lr_at(step):.6g}'),
              f'{"images" if task.is_vision else "tokens"}_per_s': round(per_step / (t1 - t0), 1),
              'policy': policy.spec, **({} if task.is_vision else {'tokens': (step + 1) * per_step})}
       bad_in_row = 0 if finite else bad_in_row + 1
@@ -424,9 +445,15 @@ def _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, m
         if spike:
           row['spike'] = True
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-          row.update(_evaluate(eval_step, state, val))
+          row.update(hev.evaluate_sets(cfg.eval_generate, task, eval_step, state, sets,
+                                       tokenizer, step + 1, generations))
       metrics.write(row)
+      if board is not None:
+        board.write(row)
       rows.append(row)
+      if keeper is not None and cfg.keep_best in row:
+        with ckpt.deferred_interrupts(_interrupted_again):
+          keeper.after_eval(step + 1, row, state, meta, metrics)
       if bad_in_row > cfg.skip_nonfinite:
         metrics.sync()
         raise DivergedError(_diverged(step + 1, loss, grad_norm, cfg) + _kept(guard, out))
@@ -441,7 +468,8 @@ def _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, m
       bar.set_postfix(loss=f'{loss:.3f}', val=row.get('val_loss', '-'),
                       **{f'{unit}_s': f'{per_step / (t1 - t0):.0f}'})
       bar.update()
-      last = step + 1 == cfg.steps
+      stopped = keeper is not None and keeper.best.stop   # --early-stop: the last step
+      last = step + 1 == cfg.steps or stopped
       # A checkpoint is written only after a healthy step (training/run/loss_guard.py); other saves
       # wait for the next. The final state's held-out loss, computed with it, may vouch for it.
       due = last or mngr.should_save(step + 1)
@@ -460,7 +488,14 @@ def _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, m
           if record is not None:
             rundir.write_record(out, {**record, 'saved': step + 1})
       t0 = time.perf_counter()
+      if stopped:
+        log(keeper.best.stop_line(step + 1))
+        break
   mngr.wait_until_finished()
+  if keeper is not None:
+    keeper.close()
+  if board is not None:
+    board.close()
   problem = guard.end_problem() if rows else None
   if problem:
     raise DivergedError(problem)
@@ -468,7 +503,9 @@ def _loop(cfg, task, size, policy, step_fn, state, batch_at, val, model, meta, m
     last = rows[-1]
     what = (f"val loss {last['val_loss']:.3f}, val accuracy {last['val_accuracy']:.1%}"
             if task.is_vision else f"val loss {last['val_loss']:.3f} nats/"
-            f"{'byte' if tokenizer_for_run(cfg)[0].name == 'bytes' else 'token'}")
+            f"{'byte' if tokenizer_for_run(cfg)[0].name == 'bytes' else 'token'}" + (
+                '' if byte_stream(cfg) else ' (the mean over the tokens the loss counts, '
+                'completions, of whole held-out rows)'))
     log(f"done: step {last['step']}, train loss {last['loss']:.3f}, {what}; "
         f"metrics and checkpoints in {out}")
   return rows
@@ -522,10 +559,13 @@ def _data_batch(task: Task, val):
 
 
 def _data(cfg: TrainConfig, task: Task, size: int, log, warn, place: meshlib.Placement):
-  """(batch_at(step), validation batches, what the run records about its data); logs the data."""
+  """(batch_at(step), validation batches, what the run records about its data, the held-out
+  sets evaluated: :class:`training.data.held_out.HeldOutSet`); logs the data."""
   if task.is_vision:
+    from training.data.held_out import HeldOutSet
     from training.data.vision_source import open_vision_data
-    return open_vision_data(cfg, task, size, log, place.local_rows(cfg.batch_size))
+    batch_at, val, meta = open_vision_data(cfg, task, size, log, place.local_rows(cfg.batch_size))
+    return batch_at, val, meta, [HeldOutSet('val', val)]
   return open_text(cfg, size, log, place.local_rows(cfg.batch_size), warn)
 
 
@@ -564,11 +604,3 @@ def _frozen_base(pretrained: dict | None, model, tx, cfg, size: int, log) -> dic
   frozen = lora_params.split(pretrained['params'], arch)[0]
   return lora_base.freeze(frozen, mcfg.lora, arch, mcfg.dtype)
 
-
-def _evaluate(eval_step, state, val) -> dict:
-  """Mean validation loss (and accuracy for vision) over the held-out batches."""
-  results = [eval_step(state.model_params(), state.model_state, b) for b in val]
-  out = {'val_loss': round(float(np.mean([float(l) for l, _ in results])), 5)}
-  for name in results[0][1]:
-    out[f'val_{name}'] = round(float(np.mean([float(m[name]) for _, m in results])), 5)
-  return out

@@ -10,7 +10,8 @@ Layouts (class names are the subfolder names, sorted; label ``i`` is the ``i``-t
 Images are decoded with Pillow and converted to RGB (or greyscale for a
 1-channel model). Training images get the usual augmentation (a random resized
 crop with torchvision's default scale and ratio ranges, resized to the image
-side with bilinear filtering, and a horizontal flip with probability 1/2);
+side with bilinear filtering, and a horizontal flip with probability 1/2; ``--augment``
+picks either, both or none, and ``--crop-scale`` the crop's area range);
 validation images none: the centre square, resized to the image side (for a
 square image that is exactly what ``transformers``' ``ViTImageProcessor`` does).
 Pixels are scaled to [0, 1] and normalised with the checkpoint's mean and std
@@ -58,6 +59,7 @@ IMAGE_SUFFIXES = ('.png', '.jpg', '.jpeg')
 VAL_FRACTION = 0.1
 CROP_SCALE = (0.08, 1.0)      # torchvision's RandomResizedCrop defaults: area fraction ...
 CROP_RATIO = (3 / 4, 4 / 3)   # ... and aspect ratio (w / h) of the crop
+AUGMENTS = ('none', 'flip', 'crop', 'crop+flip')   # --augment; crop+flip is the default
 RESAMPLE = Image.Resampling.BILINEAR  # transformers' ViTImageProcessor default (resample=2)
 PREFETCH_BATCHES = 2  # batches decoded ahead per process: the next step's, and one in reserve
 # The normalisation a model family's Hugging Face processor uses when the checkpoint names
@@ -169,6 +171,8 @@ class ImageFolderData:
     channels: 3 (RGB) or 1 (greyscale).
     skipped: files with an image suffix that Pillow could not identify.
     source: a one-line description.
+    augment: the training images' augmentation (:data:`AUGMENTS`): a random resized crop of
+      ``crop_scale`` of the area, a horizontal flip, both or none (then the held-out transform).
   """
   image_size: int
   classes: tuple[str, ...]
@@ -178,6 +182,8 @@ class ImageFolderData:
   channels: int = 3
   skipped: int = 0
   source: str = ''
+  augment: str = 'crop+flip'
+  crop_scale: tuple[float, float] = CROP_SCALE
 
   @property
   def num_classes(self) -> int:
@@ -204,11 +210,17 @@ class ImageFolderData:
     return (x * np.float32(1 / 255) - mean) / std
 
   def _train_image(self, im: Image.Image, rng: np.random.Generator) -> np.ndarray:
-    """Random resized crop (torchvision's algorithm: 10 tries, then the centre) and flip."""
+    """Random resized crop (torchvision's algorithm: 10 tries, then the centre) and flip, as
+    ``augment`` says; without the crop, the held-out transform (the centre square)."""
+    if 'crop' not in self.augment:
+      out = self._centre(im)
+      if 'flip' in self.augment and rng.random() < 0.5:
+        out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+      return self._to_array(out)
     w, h = im.size
     box = None
     for _ in range(10):
-      area = w * h * rng.uniform(*CROP_SCALE)
+      area = w * h * rng.uniform(*self.crop_scale)
       ratio = math.exp(rng.uniform(math.log(CROP_RATIO[0]), math.log(CROP_RATIO[1])))
       cw, ch = round(math.sqrt(area * ratio)), round(math.sqrt(area / ratio))
       if 0 < cw <= w and 0 < ch <= h:
@@ -224,15 +236,18 @@ class ImageFolderData:
       box = ((w - cw) // 2, (h - ch) // 2, (w - cw) // 2 + cw, (h - ch) // 2 + ch)
     s = self.image_size
     out = im.resize((s, s), RESAMPLE, box=box)
-    if rng.random() < 0.5:
+    if 'flip' in self.augment and rng.random() < 0.5:
       out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     return self._to_array(out)
 
-  def _val_image(self, im: Image.Image) -> np.ndarray:
+  def _centre(self, im: Image.Image) -> Image.Image:
     w, h = im.size
     side = min(w, h)
     box = ((w - side) // 2, (h - side) // 2, (w - side) // 2 + side, (h - side) // 2 + side)
-    return self._to_array(im.resize((self.image_size, self.image_size), RESAMPLE, box=box))
+    return im.resize((self.image_size, self.image_size), RESAMPLE, box=box)
+
+  def _val_image(self, im: Image.Image) -> np.ndarray:
+    return self._to_array(self._centre(im))
 
   # Batches ----------------------------------------------------------------------------------
   def _empty(self, batch_size: int) -> np.ndarray:
@@ -376,7 +391,8 @@ def class_names(path: str) -> tuple[str, ...]:
 
 
 def load_image_folder(path: str, image_size: int, norm: Normalisation,
-                      channels: int = 3) -> ImageFolderData:
+                      channels: int = 3, augment: str = 'crop+flip',
+                      crop_scale: tuple[float, float] = CROP_SCALE) -> ImageFolderData:
   """Reads a class-folder layout (module docstring); nothing is decoded yet.
 
   Raises:
@@ -396,4 +412,4 @@ def load_image_folder(path: str, image_size: int, norm: Normalisation,
             f"images, {split}{f', {skipped} unreadable files skipped' if skipped else ''}; "
             f"{image_size}x{image_size}, normalised by {norm.source})")
   return ImageFolderData(image_size, names, tuple(train), tuple(val), norm, channels, skipped,
-                         source)
+                         source, augment, tuple(crop_scale))

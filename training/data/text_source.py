@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from pathlib import Path
 
 from configs import NamedConfig, load_config
 from training.data import DataError
 from training.data.byte_text import load_text
+from training.data.held_out import HeldOutSet, load_held_out, prompts_and_completions
 from training.data.packed_text import byte_level_default, load_tokens
 from training.data.tokenizer import (TOKENIZER_FILE, ByteTokenizer, HFTokenizer, find_tokenizer,
                                      load_tokenizer)
@@ -99,6 +101,11 @@ def tokenizer_for_run(cfg, named: NamedConfig | None = None):
   return tok, named
 
 
+def byte_stream(cfg) -> bool:
+  """True when the run reads :mod:`training.data.byte_text`'s byte stream (loss in nats/byte)."""
+  return byte_level_default(cfg.data, tokenizer_for_run(cfg)[0])
+
+
 def open_text(cfg, size: int, log, rows: tuple[int, ...] | None = None, warn=None):
   """(batch_at(step), validation batches, what the run records about its data) of a
   language-model run; logs what the data is. ``rows``: this process's share of each batch on a
@@ -107,38 +114,86 @@ def open_text(cfg, size: int, log, rows: tuple[int, ...] | None = None, warn=Non
   tok = tokenizer_for_run(cfg)[0]
   if byte_level_default(cfg.data, tok):
     data = load_text(cfg.data, size)
-    check_eval_batches(cfg, size, len(data.val), data.source, 1)
+    check_eval_batches(cfg, size, max(0, len(data.val) - size),
+                       f'the held-out split of {data.source} ({len(data.val):,} tokens)', 1)
     log(f'data: {data.source}: {data.num_files} files, {len(data.train):,} train / '
         f'{len(data.val):,} val bytes')
     batch_at = lambda step: data.batch(step, cfg.batch_size, size, cfg.seed)
-    return batch_at, data.val_batches(cfg.eval_batches, cfg.batch_size, size), {}
+    val = data.val_batches(cfg.eval_batches, cfg.batch_size, size)
+    return batch_at, val, {}, [HeldOutSet('val', val)] + _eval_sets(cfg, tok, size, log, warn)
   if isinstance(tok, HFTokenizer):
     log(f'tokenizer: {tok.name} ({tok.vocab_size:,} ids; documents end with '
         f'{tok.eot_token!r} = {tok.eot_id})')
-  data = load_tokens(cfg.data, tok, size, warn=warn, check=lambda _, val: check_eval_batches(
-      cfg, size, val, str(cfg.data or 'the python stdlib source'), bounds.LM_BYTES_PER_TOKEN))
+  source = str(cfg.data or 'the python stdlib source')
+  data = load_tokens(cfg.data, tok, size, warn=warn, check=lambda _, val: _held_out_memory(
+      cfg, size, val))
   log(f'data: {data.description}')
+  log(data.packing_line)
+  held = len(data.val_windows)
+  batches = held_out_batches(cfg, held)
+  log(f'held-out: {batches} batch{"es" if batches > 1 else ""} of {cfg.batch_size} windows, '
+      + ('every held-out row' if batches * cfg.batch_size >= held else
+         f'{batches * cfg.batch_size:,} of the {held:,} held-out windows (--eval-batches)'))
   batch_at = lambda step: data.batch(step, cfg.batch_size, size, cfg.seed, rows)
-  return (batch_at, data.val_batches(cfg.eval_batches, cfg.batch_size, size),
-          {'tokenizer': getattr(tok, 'name', str(tok)), 'description': data.description})
+  val = data.val_batches(batches, cfg.batch_size, size)
+  sets = [HeldOutSet('val', val, prompts_and_completions(data.val, cfg.eval_generate))]
+  return (batch_at, val,
+          {'tokenizer': getattr(tok, 'name', str(tok)), 'description': data.description,
+           'packed_fraction': round(data.train_windows.fraction, 4)},
+          sets + _eval_sets(cfg, tok, size, log, warn))
 
 
-def check_eval_batches(cfg, seq_len: int, val_tokens: int, source: str, bytes_per_token: int):
+def _eval_sets(cfg, tok, size: int, log, warn) -> list[HeldOutSet]:
+  """The ``--eval-data`` sets: every row of each file, packed whole (one line each)."""
+  sets = []
+  for name, path in zip(eval_names(cfg.eval_data), cfg.eval_data):
+    held = load_held_out(path, tok, size, warn=warn)
+    sets.append(HeldOutSet(name, held.batches(cfg.batch_size),
+                           prompts_and_completions(held.split, cfg.eval_generate)))
+    log(f'eval data: {path}: {held.windows.rows:,} rows in {len(held.windows):,} windows, '
+        f'every one evaluated (metrics {name}_*)')
+  return sets
+
+
+def eval_names(paths) -> list[str]:
+  """Metric prefixes of ``--eval-data`` paths: ``eval_<stem>``, numbered when stems repeat."""
+  stems = [re.sub(r'[^A-Za-z0-9_]+', '_', Path(p).stem).strip('_') or 'data' for p in paths]
+  return [f'eval_{s}' if stems.count(s) == 1 else f'eval_{s}_{i + 1}' for i, s in enumerate(stems)]
+
+
+def held_out_batches(cfg, windows: int) -> int:
+  """Held-out batches of packed rows: ``--eval-batches``, or fewer when fewer hold every
+  held-out window (the last one filled up with empty windows,
+  ``TokenData.val_batches`` of :mod:`training.data.packed_text`)."""
+  return max(1, min(cfg.eval_batches, -(-windows // cfg.batch_size)))
+
+
+def _held_out_memory(cfg, seq_len: int, windows: int):
+  """The held-out batches of packed rows fit in memory (:func:`bounds.check_held_out_memory`)."""
+  try:
+    bounds.check_held_out_memory(held_out_batches(cfg, windows), cfg.batch_size,
+                                 (seq_len + 1) * bounds.LM_BYTES_PER_TOKEN)
+  except bounds.BoundsError as e:
+    raise DataError(str(e)) from None
+
+
+def check_eval_batches(cfg, seq_len: int, distinct: int, held_out: str, bytes_per_token: int):
   """``--eval-batches`` up to the data: no more held-out windows than the held-out split has
-  distinct windows (evenly spaced starts would repeat), and all of them in memory at once.
+  distinct windows (``distinct``; evenly spaced ones would repeat), and all of them in memory
+  at once. ``held_out`` names the split in the error line.
 
   Raises:
     DataError: one line naming the flag and the largest value the data allows.
   """
-  distinct = max(0, val_tokens - seq_len)   # starts 0 .. val_tokens - seq_len - 1
   asked = cfg.eval_batches * cfg.batch_size
-  if asked > distinct:
-    most = distinct // cfg.batch_size
-    fix = (f'pass --eval-batches {most} or fewer' if most else
+  most = distinct // cfg.batch_size
+  if cfg.eval_batches > most:
+    fix = (f'pass --eval-batches {most} or fewer'
+           if most else
            f'pass --batch-size {distinct} or less, or more data')
     raise DataError(f'--eval-batches {cfg.eval_batches} x --batch-size {cfg.batch_size} asks for '
-                    f'{asked:,} held-out windows of {seq_len + 1} tokens; the held-out split of '
-                    f'{source} ({val_tokens:,} tokens) has {distinct:,}: {fix}')
+                    f'{asked:,} held-out windows of {seq_len + 1} tokens; there are {distinct:,} '
+                    f'in {held_out}: {fix}')
   try:
     bounds.check_held_out_memory(cfg.eval_batches, cfg.batch_size,
                                  (seq_len + 1) * bytes_per_token)

@@ -146,12 +146,13 @@ def _problem(folder: Path, vocab_size: int) -> str | None:
 
 def open_entry(root: Path, key: str, vocab_size: int, build: Callable[[Path], None],
                warn: Callable[[str], None],
-               check: Callable[[dict], None] = lambda meta: None) -> tuple[Path, dict, bool]:
+               check: Callable[[dict, Path], None] = lambda meta, folder: None
+               ) -> tuple[Path, dict, bool]:
   """The verified entry ``root/key``, built with ``build(folder)`` if absent or damaged.
 
   ``build`` writes the entry's files into the folder it is given; this
   function adds their digests (``meta.json``) and renames the folder into
-  place. ``check(meta)`` raises for an entry the caller cannot use: it runs
+  place. ``check(meta, folder)`` raises for an entry the caller cannot use: it runs
   before a new entry is renamed into place (a refused run leaves no entry) and
   on an entry read from the cache. Returns (entry folder, its meta, whether it
   was read rather than built).
@@ -167,7 +168,7 @@ def open_entry(root: Path, key: str, vocab_size: int, build: Callable[[Path], No
     if folder.exists():
       problem = _problem(folder, vocab_size)
       if problem is None:
-        check(_meta(folder))
+        check(_meta(folder), folder)
         return folder, _meta(folder), True
       warn(f'token cache entry {folder} is damaged ({problem}); rebuilding it')
     _build_and_publish(root, folder, vocab_size, build, warn, check,
@@ -190,7 +191,7 @@ def _build_and_publish(root, folder, vocab_size, build, warn, check, reported: b
     files = {p.name: {'bytes': p.stat().st_size, 'sha256': _sha256(p)}
              for p in sorted(tmp.iterdir()) if p.is_file() and p.name != 'meta.json'}
     meta = json.loads((tmp / 'meta.json').read_text()) if (tmp / 'meta.json').exists() else {}
-    check(meta)
+    check(meta, tmp)
     _write_durably(tmp / 'meta.json', json.dumps({**meta, 'version': CACHE_VERSION,
                                                   'files': files}))
     for _ in range(3):

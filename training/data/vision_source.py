@@ -16,8 +16,8 @@ import numpy as np
 
 from training.data import DataError
 from training.data import image_decode
-from training.data.image_folder import (ImageFolderData, class_names, default_workers,
-                                   load_image_folder, normalisation)
+from training.data.image_folder import (CROP_SCALE, ImageFolderData, class_names,
+                                        default_workers, load_image_folder, normalisation)
 from training.data.shapes import CLASSES, PIXEL_MEAN, PIXEL_STD, load_images
 from training.run import bounds
 
@@ -69,6 +69,10 @@ def open_vision_data(cfg, task, size: int, log: Callable[[str], Any],
   """
   mc = task.config
   if not cfg.data:
+    if cfg.augment != 'crop+flip' or cfg.crop_scale is not None:
+      raise DataError(f"--{'augment' if cfg.augment != 'crop+flip' else 'crop-scale'} applies to "
+                      'an image folder (--data DIR); the procedural shapes are drawn fresh '
+                      'every step')
     shapes = load_images(size, min(10, mc.num_classes), mc.channels)
     try:   # drawn up front and kept: --eval-batches 100000000 was a hang
       bounds.check_held_out_memory(cfg.eval_batches, cfg.batch_size, size * size * mc.channels * 4)
@@ -82,11 +86,16 @@ def open_vision_data(cfg, task, size: int, log: Callable[[str], Any],
                            'image_mean': [PIXEL_MEAN] * mc.channels,
                            'image_std': [PIXEL_STD] * mc.channels}
   norm = normalisation(task.arch, cfg.init_from, mc.channels)
-  data = load_image_folder(cfg.data, size, norm, mc.channels)
+  scale = tuple(cfg.crop_scale) if cfg.crop_scale is not None else CROP_SCALE
+  data = load_image_folder(cfg.data, size, norm, mc.channels, cfg.augment, scale)
   workers = default_workers() if cfg.data_workers is None else cfg.data_workers
   batch_at = _Prefetched(data, cfg.batch_size, cfg.seed, workers, rows)
   val = [_as_batch(b) for b in data.val_batches(cfg.eval_batches, cfg.batch_size, rows=rows)]
   shown = min(len(data.val), len(val) * cfg.batch_size)
+  crop = f'random crops of {scale[0]:g}-{scale[1]:g} of the area' if 'crop' in cfg.augment else ''
+  flip = 'horizontal flips' if 'flip' in cfg.augment else ''
+  log(f"augmentation (--augment {cfg.augment}): {' and '.join(t for t in (crop, flip) if t) or 'none'}"
+      ' (held-out images: the centre square)')
   log(f'data: {data.source}; {shown} held-out images per evaluation; '
       f"{f'{workers} Grain worker processes' if workers else 'decoded in this process'}")
   return batch_at, val, {'classes': list(data.classes), 'image_size': size,

@@ -25,12 +25,13 @@ import math
 import os
 
 MAX_COUNT = 2**31 - 1   # the train state's step is int32
+AUGMENTS = ('none', 'flip', 'crop', 'crop+flip')   # --augment (training/data/image_folder.py)
 MAX_SEED = 2**32 - 1    # what PRNGKey keeps without jax_enable_x64
 # Bytes per row of a language-model batch: tokens, segment ids, positions and loss mask,
 # int32 each, per token of a window of seq_len + 1.
 LM_BYTES_PER_TOKEN = 16
-LM_ONLY = ('seq_len', 'tokenizer')
-VISION_ONLY = ('image_size', 'data_workers')
+LM_ONLY = ('seq_len', 'tokenizer', 'eval_data', 'eval_generate')
+VISION_ONLY = ('image_size', 'data_workers', 'augment', 'crop_scale')
 
 
 class BoundsError(ValueError):
@@ -62,8 +63,20 @@ def check_numbers(cfg):
   for name in ('steps', 'batch_size', 'seq_len', 'eval_every', 'eval_batches', 'save_every',
                'spike_patience', 'grad_accum'):
     _check_int(name, getattr(cfg, name), 1, MAX_COUNT)
-  for name in ('warmup_steps', 'skip_nonfinite'):
+  for name in ('warmup_steps', 'skip_nonfinite', 'eval_generate'):
     _check_int(name, getattr(cfg, name), 0, MAX_COUNT)
+  if cfg.augment not in AUGMENTS:
+    raise BoundsError(f"--augment must be one of {', '.join(AUGMENTS)}, got {cfg.augment!r}")
+  if cfg.crop_scale is not None:
+    low, high = cfg.crop_scale
+    if not (0 < low <= high <= 1):
+      raise BoundsError(f'--crop-scale MIN,MAX must have 0 < MIN <= MAX <= 1 (fractions of the '
+                        f'image area), got {low:g},{high:g}')
+    if 'crop' not in cfg.augment:
+      raise BoundsError(f'--crop-scale applies to --augment crop or crop+flip, not '
+                        f'{cfg.augment}')
+  if cfg.early_stop is not None:
+    _check_int('early_stop', cfg.early_stop, 1, MAX_COUNT)
   if cfg.image_size is not None:   # 0 used to mean "the config's" and trained at 32
     _check_int('image_size', cfg.image_size, 1, MAX_COUNT)
   check_seed(cfg.seed)

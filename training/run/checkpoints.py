@@ -48,17 +48,19 @@ def folder(out: Path) -> Path:
   return out.resolve() / 'checkpoints'
 
 
-def manager(out: Path, save_every: int = 1, writer: bool = False) -> ocp.CheckpointManager:
+def manager(out: Path, save_every: int = 1, writer: bool = False,
+            keep: int = MAX_TO_KEEP) -> ocp.CheckpointManager:
   """An orbax manager of ``<out>/checkpoints``.
 
   Only the run holding the folder's lock is a ``writer``: it creates the folder
   and removes temporary folders of interrupted saves. A reader must not, as
-  such a folder may be the save another process is writing right now.
+  such a folder may be the save another process is writing right now. ``keep``: the
+  newest steps kept (the best step of ``--keep-best`` keeps one).
   """
   if writer:
     _remove_interrupted_saves(out)
   opts = ocp.CheckpointManagerOptions(
-      save_interval_steps=save_every, max_to_keep=MAX_TO_KEEP, enable_async_checkpointing=False,
+      save_interval_steps=save_every, max_to_keep=keep, enable_async_checkpointing=False,
       create=writer)
   return ocp.CheckpointManager(folder(out), options=opts, item_names=('state', 'meta'))
 

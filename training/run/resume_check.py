@@ -61,6 +61,8 @@ COMPARED = (
     Compared('warmup_steps'),
     Compared('weight_decay'),
     Compared('grad_clip'),
+    Compared('augment', only='vision'),
+    Compared('crop_scale', lambda was, now: list(was or ()) == list(now or ()), only='vision'),
 )
 
 

@@ -341,11 +341,15 @@ def history(out: Path, record: dict | None) -> str | None:
 def set_previous_aside(out: Path) -> Path | None:
   """Moves what a run left in ``out`` to ``out/previous/N/`` (for ``--restart``); None if nothing.
 
-  Checkpoints, damaged checkpoints, metrics, the run record (and any unreadable one set aside)
-  and the tokenizer copy move; nothing is deleted.
+  Checkpoints, damaged checkpoints, metrics, the run record (and any unreadable one set aside),
+  the tokenizer copy, the best step (``--keep-best``), the generations (``--eval-generate``) and
+  the TensorBoard files move; nothing is deleted.
   """
+  # best/, generations.jsonl and tensorboard/ are the names of training/run/best.py,
+  # training/step/held_out_eval.py and training/run/tensorboard.py, spelled here: best.py imports
+  # this module (through checkpoints.py), and tests/test_keep_best.py checks the three agree.
   names = ('checkpoints', DAMAGED_NAME, METRICS_NAME, REDONE_NAME, UNREADABLE_NAME, RECORD_NAME,
-           TOKENIZER_NAME)
+           TOKENIZER_NAME, 'best', 'generations.jsonl', 'tensorboard')
   present = [n for n in names if (out / n).exists()] + sorted(
       p.name for p in out.glob(f'{RECORD_NAME}.unreadable*'))
   if not present:

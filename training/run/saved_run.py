@@ -1,6 +1,8 @@
 """Reading a finished (or stopped) run back: its record, model config and latest weights.
 
-What ``training.export`` and ``training.sample`` start from. Nothing in the
+What ``training.export`` and ``training.sample`` start from: the best step of a
+run that kept one (``--keep-best``, :mod:`training.run.best`), else the latest;
+``which`` picks either. Nothing in the
 run folder is changed: a damaged newest checkpoint is passed over with a
 warning (the trainer's ``--resume`` is what sets such checkpoints aside).
 
@@ -46,31 +48,50 @@ class SavedRun:
   meta: dict
   task: Task
   variables: dict[str, Any]
+  which: str = 'last'
+
+  @property
+  def described(self) -> str:
+    """``step N`` and, for a best step, by which metric and what the last step is."""
+    best = self.meta.get('best') or {}
+    if self.which != 'best' or not best:
+      return f'step {self.step}'
+    last = ckpt.steps(self.path)
+    then = f'; the last is step {last[0]}' if last and last[0] != self.step else ''
+    return (f"step {self.step} (the best by {best.get('metric')} = {best.get('value'):g}, "
+            f'--keep-best{then})')
 
   @property
   def lora(self):
     """The run's adapters (:class:`models.lora.spec.LoraSpec`), or None for a full fine-tune."""
     return getattr(self.task.config, 'lora', None)
 
-
-def load_run(run_dir, warn=lambda _: None, base: bool = True, base_from=None,
-             log=lambda _: None) -> SavedRun:
-  """The newest intact checkpoint of ``run_dir``.
+def load_run(run_dir, warn=lambda _: None, which: str | None = None, base: bool = True,
+             base_from=None, log=lambda _: None) -> SavedRun:
+  """The newest intact checkpoint of ``run_dir``, or its best step (module docstring).
 
   Args:
     run_dir: a train.py run's ``--out`` folder.
     warn: gets one-line warnings (a damaged checkpoint passed over).
+    which: 'best', 'last', or None: 'best' when the run kept one.
     base: for a LoRA run, also load its frozen base (else only the adapters).
     base_from: the base's folder when it has moved since training (None: the recorded one).
     log: gets progress lines (quantizing a QLoRA base).
 
   Raises:
-    RunReadError: one line: no such folder, no checkpoint, none intact, or a
-      LoRA base that is missing or not the one the run trained on.
+    RunReadError: one line: no such folder, no checkpoint, none intact, no best step kept,
+      or a LoRA base that is missing or not the one the run trained on.
   """
-  path = Path(run_dir)
-  if not path.is_dir():
-    raise RunReadError(f"no run folder at '{path}'; give the --out folder of a train.py run")
+  from training.run.best import best_dir
+  run_path = Path(run_dir)
+  if not run_path.is_dir():
+    raise RunReadError(f"no run folder at '{run_path}'; give the --out folder of a train.py run")
+  if which is None:
+    which = 'best' if ckpt.steps(best_dir(run_path)) else 'last'
+  if which == 'best' and not ckpt.steps(best_dir(run_path)):
+    raise RunReadError(f"'{run_path}' kept no best step (no {best_dir(run_path) / 'checkpoints'}):"
+                       " train with --keep-best METRIC, or pass --checkpoint last")
+  path = best_dir(run_path) if which == 'best' else run_path
   if not ckpt.steps(path):
     raise RunReadError(f"'{path}' has no checkpoint (no {path / 'checkpoints'} with a saved "
                        'step); train first, or give the --out folder of a run that saved one')
@@ -108,8 +129,9 @@ def load_run(run_dir, warn=lambda _: None, base: bool = True, base_from=None,
   host = jax.device_get(state)
   params = host.params
   if getattr(config, 'lora', None) is not None and base:
-    params = lora_params.merge(_base(path, meta, task, base_from, log), params)
-  return SavedRun(path, int(host.step), meta, task, {'params': params, **dict(host.model_state)})
+    params = lora_params.merge(_base(run_path, meta, task, base_from, log), params)
+  return SavedRun(run_path, int(host.step), meta, task,
+                  {'params': params, **dict(host.model_state)}, which)
 
 
 def _base(path: Path, meta: dict, task: Task, base_from, log) -> dict:

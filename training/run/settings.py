@@ -66,9 +66,16 @@ class TrainConfig:
   spike_margin: float = GuardConfig.margin
   spike_patience: int = GuardConfig.patience
   data_workers: int | None = None  # image folders: Grain worker processes (None: by core count)
+  augment: str = 'crop+flip'  # image folders: none, flip, crop or crop+flip
+  crop_scale: tuple[float, float] | None = None  # image folders: crop area range (None: 0.08-1)
+  tensorboard: bool = False  # --tensorboard: scalars in <out>/tensorboard (tensorboardX)
   tokenizer: str | None = None  # None: --init-from's tokenizer, else bytes (training/data/tokenizer.py)
   grad_accum: int = 1  # --grad-accum K: microbatches per step (training/step/accumulate.py)
   offload_optimizer: bool = False  # optimizer state in host memory (training/step/offload.py)
+  eval_data: tuple[str, ...] = ()  # --eval-data files evaluated beside --data's held-out split
+  eval_generate: int = 0  # --eval-generate N: greedy generation on N held-out prompts per set
+  keep_best: str | None = None  # --keep-best METRIC: the best held-out step kept in <out>/best
+  early_stop: int | None = None  # --early-stop P: stop after P evaluations without a better METRIC
   lora: int | None = None  # --lora RANK: adapters on a frozen base (models/lora)
   lora_alpha: float | None = None  # None: 2 * rank
   lora_dropout: float = 0.0
