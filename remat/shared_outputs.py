@@ -28,7 +28,8 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from remat.unrolled import inexact, zero_cotangent
 
 
 def shared_leaves(step: Callable, x, xs_0) -> dict[int, tuple[str, int]]:
@@ -61,17 +62,6 @@ def shared_leaves(step: Callable, x, xs_0) -> dict[int, tuple[str, int]]:
 def _same_aval(jaxpr, j: int) -> bool:
   # A one-layer stack may change the carry's shape; only equal input and output carries chain.
   return jaxpr.invars[j].aval.shape == jaxpr.outvars[j].aval.shape
-
-
-def _inexact(a) -> bool:
-  return jnp.issubdtype(jnp.result_type(a), jnp.inexact)
-
-
-def _zero_ct(a):
-  """A zero cotangent for ``a``: float0 for integer and key leaves, as JAX wants them."""
-  if _inexact(a):
-    return jnp.zeros(jnp.shape(a), jnp.result_type(a))
-  return np.zeros(jnp.shape(a), jax.dtypes.float0)
 
 
 def scan(step: Callable, x, xs, length: int, shares: dict[int, tuple[str, int]]):
@@ -130,8 +120,8 @@ def scan(step: Callable, x, xs, length: int, shares: dict[int, tuple[str, int]])
 
     k_leaves, k_def = jax.tree_util.tree_flatten(consts)
     xs_def = jax.tree_util.tree_structure(xs)
-    xs_float = [_inexact(a) for a in jax.tree_util.tree_leaves(xs)]
-    k_float = [_inexact(a) for a in k_leaves]
+    xs_float = [inexact(a) for a in jax.tree_util.tree_leaves(xs)]
+    k_float = [inexact(a) for a in k_leaves]
 
     def body(carry, inp):
       ct_c, ct_k = carry
@@ -154,8 +144,8 @@ def scan(step: Callable, x, xs, length: int, shares: dict[int, tuple[str, int]])
         body, (ct_x, ct_k0), (jnp.arange(length), xs, kept, ct_ys), reverse=True)
     ct_k, ct_xs = iter(ct_k), iter(ct_xs)
     xs_leaves = jax.tree_util.tree_leaves(xs)
-    ct_k = [next(ct_k) if f else _zero_ct(a) for a, f in zip(k_leaves, k_float)]
-    ct_xs = [next(ct_xs) if f else _zero_ct(a) for a, f in zip(xs_leaves, xs_float)]
+    ct_k = [next(ct_k) if f else zero_cotangent(a) for a, f in zip(k_leaves, k_float)]
+    ct_xs = [next(ct_xs) if f else zero_cotangent(a) for a, f in zip(xs_leaves, xs_float)]
     return (ct_x0, jax.tree_util.tree_unflatten(xs_def, ct_xs),
             jax.tree_util.tree_unflatten(k_def, ct_k))
 

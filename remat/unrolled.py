@@ -66,13 +66,14 @@ class Block:
   recomputes: bool = True
 
 
-def _inexact(a) -> bool:
+def inexact(a) -> bool:
+  """Whether ``a`` is a float or complex value (one that has a cotangent)."""
   return jnp.issubdtype(jnp.result_type(a), jnp.inexact)
 
 
-def _zero_ct(a):
+def zero_cotangent(a):
   """The cotangent nobody wrote: zeros, or float0 for integer and key leaves."""
-  if _inexact(a):
+  if inexact(a):
     return jnp.zeros(jnp.shape(a), jnp.result_type(a))
   return np.zeros(jnp.shape(a), jax.dtypes.float0)
 
@@ -80,7 +81,7 @@ def _zero_ct(a):
 def _barrier(tree):
   """``optimization_barrier`` over the float leaves of ``tree`` (None and float0 pass through)."""
   leaves, tdef = jax.tree_util.tree_flatten(tree, is_leaf=lambda v: v is None)
-  pick = [i for i, a in enumerate(leaves) if a is not None and _inexact(a)
+  pick = [i for i, a in enumerate(leaves) if a is not None and inexact(a)
           and not isinstance(a, np.ndarray)]
   held = jax.lax.optimization_barrier([leaves[i] for i in pick])
   for i, a in zip(pick, held):
@@ -228,13 +229,13 @@ def run(blocks: list[Block], x, xs: dict, counts: dict):
     kept = list(kept)
     ct_x, ct_ys = cts
     xs_leaves, xs_def = jax.tree_util.tree_flatten(xs)
-    floats = [_inexact(a) for a in xs_leaves]
+    floats = [inexact(a) for a in xs_leaves]
     # The gradient accumulators, one per float leaf, and which leaves are each group's.
     acc = [jnp.zeros(jnp.shape(a), jnp.result_type(a)) if f else None
            for a, f in zip(xs_leaves, floats)]
     paths = jax.tree_util.tree_flatten_with_path(xs)[0]
     mine = {g: [i for i, (p, _) in enumerate(paths) if p[0].key == g] for g in xs}
-    ct_k = [[jnp.zeros_like(a) if _inexact(a) else None for a in k] for k in consts]
+    ct_k = [[jnp.zeros_like(a) if inexact(a) else None for a in k] for k in consts]
     ys_leaves = {g: jax.tree_util.tree_leaves(t) for g, t in ys.items()}
     if blocks[-1].recomputes or blocks[-1].keeps == 'input':
       ct_x, kept[-1] = _barrier((ct_x, kept[-1]))
@@ -279,8 +280,8 @@ def run(blocks: list[Block], x, xs: dict, counts: dict):
         ct_x, acc, kept[bi - 1] = _barrier((ct_x, acc, kept[bi - 1]))
       else:
         ct_x, acc = _barrier((ct_x, acc))
-    ct_xs = [a if f else _zero_ct(x0) for a, f, x0 in zip(acc, floats, xs_leaves)]
-    ct_consts = [[g if g is not None else _zero_ct(a) for g, a in zip(gs, k)]
+    ct_xs = [a if f else zero_cotangent(x0) for a, f, x0 in zip(acc, floats, xs_leaves)]
+    ct_consts = [[g if g is not None else zero_cotangent(a) for g, a in zip(gs, k)]
                  for gs, k in zip(ct_k, consts)]
     return ct_x, jax.tree_util.tree_unflatten(xs_def, ct_xs), ct_consts
 

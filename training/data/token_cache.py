@@ -41,6 +41,7 @@ import numpy as np
 from tqdm import tqdm
 
 from training.data import DataError
+from training.run.rundir import fsync_dir
 
 CACHE_VERSION = 2      # 2: keyed by content, per-file digests in meta.json
 BUILDING = '.building-'
@@ -197,7 +198,7 @@ def _build_and_publish(root, folder, vocab_size, build, warn, check, reported: b
     for _ in range(3):
       try:
         os.rename(tmp, folder)   # atomic: the entry appears complete or not at all
-        _fsync_dir(root)
+        fsync_dir(root)
         return folder
       except OSError as e:
         if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
@@ -269,14 +270,6 @@ def _write_durably(path: Path, text: str):
     f.write(text)
     f.flush()
     os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path):
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
 
 
 def _os_error_line(e: OSError, root: Path) -> str:

@@ -248,7 +248,7 @@ class MetricsLog:
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp, self.path)  # a kill mid-rewrite leaves the old file, never half of one
-    _fsync_dir(out)
+    fsync_dir(out)
     self._file = open(self.path, 'a')
 
   def write(self, row: dict):
@@ -304,7 +304,7 @@ def set_record_aside(out: Path) -> Path:
     n += 1
     dest = out / f'{RECORD_NAME}.unreadable.{n}'
   os.replace(out / RECORD_NAME, dest)
-  _fsync_dir(out)
+  fsync_dir(out)
   return dest
 
 
@@ -318,7 +318,7 @@ def write_record(out: Path, record: dict):
     f.flush()
     os.fsync(f.fileno())
   os.replace(tmp, path)
-  _fsync_dir(out)
+  fsync_dir(out)
 
 
 def history(out: Path, record: dict | None) -> str | None:
@@ -361,11 +361,12 @@ def set_previous_aside(out: Path) -> Path | None:
   dest.mkdir(parents=True)
   for name in present:
     shutil.move(str(out / name), dest / name)
-  _fsync_dir(out)
+  fsync_dir(out)
   return dest
 
 
-def _fsync_dir(path: Path):
+def fsync_dir(path: Path):
+  """Makes a rename or a new file in the folder ``path`` durable (fsync of the folder)."""
   fd = os.open(path, os.O_RDONLY)
   try:
     os.fsync(fd)
