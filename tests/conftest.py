@@ -80,3 +80,17 @@ def text_file(tmp_path):
   path = tmp_path / 'corpus.txt'
   path.write_text(''.join(lines))
   return path
+
+
+@pytest.fixture(autouse=True, scope='session')
+def _private_remat_cache(tmp_path_factory):
+  """Token caches and --remat=auto answers go to a folder of this test session (each xdist
+  worker its own), never the user's ~/.cache/remat: tests that damage cache entries on purpose
+  must not reach another worker's run, or a train.py run beside the suite."""
+  before = os.environ.get('REMAT_CACHE')
+  os.environ['REMAT_CACHE'] = str(tmp_path_factory.mktemp('remat-cache'))
+  yield
+  if before is None:
+    os.environ.pop('REMAT_CACHE', None)
+  else:
+    os.environ['REMAT_CACHE'] = before
