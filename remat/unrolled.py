@@ -237,8 +237,15 @@ def run(blocks: list[Block], x, xs: dict, counts: dict):
     mine = {g: [i for i, (p, _) in enumerate(paths) if p[0].key == g] for g in xs}
     ct_k = [[jnp.zeros_like(a) if inexact(a) else None for a in k] for k in consts]
     ys_leaves = {g: jax.tree_util.tree_leaves(t) for g, t in ys.items()}
+    # The stacked inputs pass through the barriers too, so that each block's slices of them in the
+    # backward pass are new values: XLA would otherwise merge them with the forward pass's slices
+    # and keep those, a copy of the stack's parameters, from the forward pass to the backward (the
+    # Gemma 3-style decoder of tests/public_models/gemma3.py, full, H100 plan: 1.50 MiB; the
+    # issue-34 ViT's 8 layers under full: 4.68 -> 4.40 MiB temp, its per-block habit 4.52).
     if blocks[-1].recomputes or blocks[-1].keeps == 'input':
-      ct_x, kept[-1] = _barrier((ct_x, kept[-1]))
+      ct_x, kept[-1], xs = _barrier((ct_x, kept[-1], xs))
+    else:
+      ct_x, xs = _barrier((ct_x, xs))
     for bi in reversed(range(len(blocks))):
       b, w = blocks[bi], which[bi]
       view = items.take(xs, b)
@@ -277,9 +284,9 @@ def run(blocks: list[Block], x, xs: dict, counts: dict):
       # with the forward pass (which would keep the forward's values instead): the job of
       # jax.checkpoint's prevent_cse, so the blocks' checkpoints need not do it too.
       if bi and (blocks[bi - 1].recomputes or blocks[bi - 1].keeps == 'input'):
-        ct_x, acc, kept[bi - 1] = _barrier((ct_x, acc, kept[bi - 1]))
+        ct_x, acc, kept[bi - 1], xs = _barrier((ct_x, acc, kept[bi - 1], xs))
       else:
-        ct_x, acc = _barrier((ct_x, acc))
+        ct_x, acc, xs = _barrier((ct_x, acc, xs))
     ct_xs = [a if f else zero_cotangent(x0) for a, f, x0 in zip(acc, floats, xs_leaves)]
     ct_consts = [[g if g is not None else zero_cotangent(a) for g, a in zip(gs, k)]
                  for gs, k in zip(ct_k, consts)]
