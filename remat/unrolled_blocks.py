@@ -41,10 +41,18 @@ LOOP_LAYOUTS = ('unrolled', 'loops', 'groups')
 
 
 def _one_iteration(step: Callable) -> Callable:
-  """``step`` as a loop of one iteration over its (unstacked) inputs."""
+  """``step`` as a loop of one iteration, its inputs loop-invariant.
+
+  Taken as loop constants rather than stacked ``[1, ...]`` loop inputs, a
+  parameter slice or the layer's input that the rule saves is kept as the
+  value it is (JAX forwards a loop-invariant residual), which
+  :mod:`remat.unrolled` then reads again where it lives; stacked, each would be
+  a copy kept from the forward to the backward pass (the Gemma 3-style decoder
+  of tests/public_models/gemma3.py, ``full``, H100 plan: 1.38 MiB of copied
+  parameters).
+  """
   def run(x, view):
-    one = jax.tree_util.tree_map(lambda a: a[None], (x, view))
-    _, (y, ys) = jax.lax.scan(lambda c, inp: (c, step(*inp)), None, one)
+    _, (y, ys) = jax.lax.scan(lambda c, _: (c, step(x, view)), None, None, length=1)
     return jax.tree_util.tree_map(lambda a: a[0], (y, ys))
   return run
 
@@ -65,15 +73,24 @@ def _scanned(step: Callable) -> Callable:
 
 
 def _part_blocks(unit, start: int, count: int, policy: Policy, layout: str, lean: bool,
-                 tail_unit=None) -> list[Block]:
-  """Blocks of ``count`` units from ``start`` under one (unmixed) policy; the last may be a tail."""
+                 tail_unit=None, unit_at=None) -> list[Block]:
+  """Blocks of ``count`` units from ``start`` under one (unmixed) policy; the last may be a tail.
+
+  ``unit_at(u)``, where given, is unit u's own builder (units of different
+  kinds: each block then holds one unit, under a per-layer rule only).
+  """
   rule = policy._layer_policy()
   size = policy.segment_size(count)
   uniform = count - (tail_unit is not None)
   cache: dict = {}
 
+  def builder(u):
+    if unit_at is not None:
+      return unit_at(u)
+    return tail_unit if u == start + uniform else unit
+
   def step(u, flat: bool = True, keep_rule=None):
-    make = tail_unit if u == start + uniform else unit
+    make = builder(u)
     if layout == 'loops':
       return _one_iteration(make(rule or (lean_saveable if lean else None), True, flat=True))
     # prevent_cse=False: remat.unrolled passes every block's kept values through an optimization
@@ -87,7 +104,7 @@ def _part_blocks(unit, start: int, count: int, policy: Policy, layout: str, lean
   recomputes = layout != 'unrolled' or rule is not None
 
   def one(u, keeps):   # a block of one unit
-    key = ('one', u == start + uniform, keeps)
+    key = ('one', id(builder(u)), keeps)
     fn = cache.get(key) or cache.setdefault(key, step(u))
     return Block(u, 1, fn, keeps, recomputes)
 
@@ -100,6 +117,9 @@ def _part_blocks(unit, start: int, count: int, policy: Policy, layout: str, lean
         cache[key] = _in_turn(step(s), length)
     return Block(s, length, cache[key], keeps, recomputes)
 
+  if unit_at is not None:
+    assert size is None and layout != 'groups', 'units of different kinds: one block each'
+    return [one(u, 'rule') for u in range(start, start + count)]
   if size is None and layout == 'groups':   # a per-layer rule in scans of ~sqrt(U) units
     size, keeps = sqrt_segment_size(max(uniform, 1)), 'rule'
   else:
@@ -115,7 +135,7 @@ def _part_blocks(unit, start: int, count: int, policy: Policy, layout: str, lean
 
 
 def run(unit, x, xs: dict, counts: dict, num_units: int, policy: Policy, layout: str,
-        lean: bool = True, tail_unit=None):
+        lean: bool = True, tail_unit=None, unit_at=None):
   """Runs U units laid out as ``layout`` says, through :func:`remat.unrolled.run`.
 
   Args:
@@ -129,6 +149,9 @@ def run(unit, x, xs: dict, counts: dict, num_units: int, policy: Policy, layout:
     lean: under ``loops``, keep what :func:`remat.layout.lean_saveable` keeps for ``none``
       (False for the plain reference: no checkpoint at all).
     tail_unit: the last unit's builder when it differs (a pattern's remainder).
+    unit_at: ``unit_at(u)``, unit u's own builder, for units of different kinds
+      (a pattern's layers, one unit each); ``unit`` is then unused. A per-layer
+      rule only, under 'unrolled' or 'loops'.
 
   Returns:
     ``(x, {group: outputs stacked [items, ...]})``.
@@ -138,7 +161,7 @@ def run(unit, x, xs: dict, counts: dict, num_units: int, policy: Policy, layout:
   for count, part in parts:
     last = start + count == num_units
     blocks += _part_blocks(unit, start, count, part, layout, lean,
-                           tail_unit if last else None)
+                           tail_unit if last else None, unit_at)
     start += count
   return unrolled.run(blocks, x, xs, counts)
 
