@@ -35,7 +35,7 @@ import numpy as np
 from remat.policies import Policy, sqrt_segment_size
 from remat import unrolled, unrolled_blocks
 from remat.unrolled import batched
-from remat.layout import active_reference, lean_saveable, resolve_layout
+from remat.layout import active_reference, has_loop, lean_saveable, resolve_layout
 from remat.segments import Unit, checkpointed, layer_unit, run_units
 from remat.stack_checks import StackSignatureError
 
@@ -181,7 +181,9 @@ def run_stack(steps: Callable | Mapping[Hashable, Callable], x, xs, num_layers: 
     ``(x, ys)``: ``ys`` stacked ``[N, ...]``, or a mapping kind -> ``[n_kind, ...]``.
   """
   lean = True
-  layout = resolve_layout(layout, policy, num_units(pattern, num_layers), batched(x))
+  layout = resolve_layout(layout, policy, num_units(pattern, num_layers), batched(x),
+                          pattern=pattern is not None,
+                          inner_loop=lambda: _inner_loop(steps, x, xs, pattern))
   reference = active_reference()
   if reference is not None:   # a yardstick: the user's loop, per-layer checkpoints of its rule
     policy, layout, lean = reference, 'unrolled', False
@@ -201,6 +203,14 @@ def run_stack(steps: Callable | Mapping[Hashable, Callable], x, xs, num_layers: 
   else:
     x, ys = _run_pattern(steps, x, xs, num_layers, policy, pattern)
   return x, {kinds[i]: v for i, v in ys.items()}
+
+
+def _inner_loop(steps, x, xs, pattern) -> bool:
+  """Whether a layer of the stack runs a loop of its own (traced on its first slice)."""
+  first = lambda t: jax.tree_util.tree_map(lambda a: a[0], t)
+  if pattern is None:
+    return has_loop(steps, x, first(xs))
+  return any(has_loop(steps[k], x, first(xs[k])) for k in dict.fromkeys(pattern))
 
 
 def _run_pattern_blocks(steps, x, xs, num_layers: int, policy: Policy, pattern: tuple,

@@ -68,6 +68,60 @@ def test_auto_is_the_scan_on_cpu_and_inside_vmap():
   assert choose_layout(get_policy('dots'), 64, platform='gpu') == 'scan'   # compile time
 
 
+def test_auto_on_a_gpu_per_rule_pattern_and_inner_loop():
+  """On a GPU plan: unrolled for a per-layer rule, loops for none and patterns, the scan for a layer
+  with a loop of its own (docs/own-model.md has the measurements behind each)."""
+  pick = lambda spec, **kw: choose_layout(get_policy(spec), N, platform='gpu', **kw)
+  assert [pick(s) for s in ('full', 'dots', 'names:fc1', 'none')] == \
+      ['unrolled', 'unrolled', 'unrolled', 'loops']
+  assert [pick(s, pattern=True) for s in ('full', 'dots', 'none')] == ['loops'] * 3
+  for spec in ('full', 'dots', 'none'):
+    assert pick(spec, inner_loop=True) == 'scan'
+    assert pick(spec, pattern=True, inner_loop=lambda: True) == 'scan'
+  asked = []
+  assert choose_layout(get_policy('full'), N, platform='cpu',
+                       inner_loop=lambda: asked.append(1) or True) == 'scan'
+  assert not asked   # the layer is traced only where the answer matters
+
+
+def test_has_loop_finds_loops_at_any_depth():
+  from remat.layout import has_loop
+  assert not has_loop(mlp, _first(params()), X)
+  looped = lambda p, x: jax.lax.scan(lambda c, _: (mlp(p, c), None), x, None, length=2)[0]
+  assert has_loop(jax.checkpoint(looped), _first(params()), X)
+  assert has_loop(lambda p, x: jax.lax.fori_loop(0, 2, lambda i, c: mlp(p, c), x),
+                  _first(params()), X)
+
+
+def _first(tree):
+  return jax.tree_util.tree_map(lambda a: a[0], tree)
+
+
+@pytest.mark.parametrize('spec', ['none', 'full', 'dots'])
+def test_auto_for_a_gpu_with_an_inner_loop_or_a_pattern_equals_the_scan(spec):
+  """The layouts auto picks on a GPU plan for a looped layer (scan) and a pattern (loops)."""
+  def looped(p, x):
+    return jax.lax.scan(lambda c, _: (mlp(p, c), None), x, None, length=2)[0]
+  with compiling_for('gpu'):
+    got = jax.jit(jax.grad(lambda p: jnp.sum(scan_layers(looped, p, X, policy=spec,
+                                                         layout='auto') ** 2)))(params())
+  want = jax.jit(jax.grad(lambda p: jnp.sum(scan_layers(looped, p, X, policy=spec,
+                                                        layout='scan') ** 2)))(params())
+  assert_trees_close(got, want, err_msg=f'{spec}: ')
+  p = {'local': {'w': jax.random.normal(jax.random.PRNGKey(3), (10, D, D)) * 0.3},
+       'global': {'w1': jax.random.normal(jax.random.PRNGKey(4), (2, D, H)) * 0.3,
+                  'w2': jax.random.normal(jax.random.PRNGKey(5), (2, H, D)) * 0.3}}
+
+  def grads(layout):
+    loss = lambda p: jnp.sum(scan_layers({'local': local, 'global': global_}, p, X,
+                                         pattern=('local',) * 5 + ('global',), policy=spec,
+                                         layout=layout) ** 2)
+    return jax.jit(jax.grad(loss))(p)
+  with compiling_for('gpu'):
+    got = grads('auto')
+  assert_trees_close(got, grads('scan'), err_msg=f'pattern {spec}: ')
+
+
 def test_unknown_layout_is_one_line():
   with pytest.raises(PolicyError) as e:
     scan_layers(mlp, params(), X, policy='full', layout='unroled')
