@@ -236,10 +236,31 @@ def choose_layout(policy, num_units: int, batched: bool = False,
 
 
 def has_loop(fn: Callable, *args) -> bool:
-  """Whether tracing ``fn(*args)`` gives a ``scan`` or ``while`` loop (at any depth)."""
+  """Whether ``fn(*args)`` or its derivative runs a ``scan`` or ``while`` loop (at any depth).
+
+  The derivative is traced too: a layer's own ``jax.custom_vjp`` may loop in
+  its backward pass only (our GPT's GELU + Dense, whose backward runs over rows
+  in chunks).
+  """
   from remat.tags import iter_eqns
-  jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+
+  def forward_and_back(*args):
+    out, pull = jax.vjp(fn, *args)
+    return pull(jax.tree_util.tree_map(_zero_cotangent, out))
+  try:
+    jaxpr = jax.make_jaxpr(forward_and_back)(*args).jaxpr
+  except Exception:   # pylint: disable=broad-except
+    # Not differentiable as called (integer outputs only, a framework that forbids the transform
+    # here): the forward pass alone, which still shows a loop outside a custom derivative.
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
   return any(e.primitive.name in ('scan', 'while') for e in iter_eqns(jaxpr))
+
+
+def _zero_cotangent(a):
+  import numpy as np
+  if jax.numpy.issubdtype(jax.numpy.result_type(a), jax.numpy.inexact):
+    return jax.numpy.zeros(jax.numpy.shape(a), jax.numpy.result_type(a))
+  return np.zeros(jax.numpy.shape(a), jax.dtypes.float0)
 
 
 def resolve_layout(layout: str, policy, num_units: int, batched: bool = False,

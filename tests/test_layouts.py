@@ -92,6 +92,13 @@ def test_has_loop_finds_loops_at_any_depth():
   assert has_loop(lambda p, x: jax.lax.fori_loop(0, 2, lambda i, c: mlp(p, c), x),
                   _first(params()), X)
 
+  @jax.custom_vjp
+  def looped_backward(x):
+    return jnp.tanh(x)
+  looped_backward.defvjp(lambda x: (jnp.tanh(x), x), lambda x, g: (
+      jax.lax.fori_loop(0, 2, lambda i, c: c * (1 - jnp.tanh(x) ** 2), g),))
+  assert has_loop(lambda p, x: mlp(p, looped_backward(x)), _first(params()), X)
+
 
 def _first(tree):
   return jax.tree_util.tree_map(lambda a: a[0], tree)
