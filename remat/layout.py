@@ -140,9 +140,9 @@ def unrolled_active() -> bool:
 # 'auto' picks one of the others per target and policy (choose_layout).
 LAYOUTS = ('auto', 'scan', 'unrolled', 'loops', 'groups')
 LAYOUT_HELP = {
-    'auto': 'scan on CPU; on a GPU, in a stack of <= 8 units outside jax.vmap whose layers run '
-            'no loop of their own: unrolled for a per-layer rule, loops for none and patterns; '
-            'else scan (docs/own-model.md)',
+    'auto': 'scan on CPU; on a GPU, in a stack of <= 8 units outside jax.vmap: unrolled for a '
+            'per-layer rule, loops for none and patterns, but the scan for none and full where a '
+            'layer runs a loop of its own; else scan (docs/own-model.md)',
     'scan': 'one lax.scan over the layers: compiled once, whatever N',
     'unrolled': 'a Python loop, each layer in jax.checkpoint with the rule (the per-block habit; '
                 'GPU), gradients written into the stacked parameters in place',
@@ -195,11 +195,15 @@ def choose_layout(policy, num_units: int, batched: bool = False,
   The scan on the CPU backend (which drops checkpoints in straight-line
   code), for segments and mixes, in a stack deeper than
   :data:`AUTO_UNROLL_MAX` (compile time), inside ``jax.vmap``
-  (:func:`remat.unrolled.batched`), and for a layer that runs a loop of its
-  own (``inner_loop``: a blockwise attention, a chunked matmul), whose
-  zero-initialised backward accumulators XLA's GPU pipeline merges across
-  unrolled layers into one fusion that holds all of them at once (our tiny GPT,
-  8 layers, ``full``, H100 plan: 31.93 MiB unrolled, 15.22 MiB scanned).
+  (:func:`remat.unrolled.batched`), and under ``none`` or ``full`` for a layer
+  that runs a loop of its own (``inner_loop``: a blockwise attention, a chunked
+  backward pass), whose zero-initialised backward accumulators XLA's GPU
+  pipeline merges across unrolled layers into one fusion that holds all of them
+  at once (our tiny GPT, 8 layers, ``full``, H100 plan: 31.93 MiB unrolled,
+  15.22 MiB scanned). Under a rule that keeps matmul outputs the kept values
+  dominate and either layout can win on such a model (``dots``: our tiny GPT
+  51.79 MiB scanned against 59.92 unrolled, our llama-tiny 54.05 against
+  50.77), so there the layout does not depend on it: the per-block habit.
 
   Otherwise, on a GPU, the layers become :mod:`remat.unrolled`'s Python loop,
   which frees each layer's saved values after its backward step where the scan
@@ -228,7 +232,7 @@ def choose_layout(policy, num_units: int, batched: bool = False,
   if (platform != 'gpu' or batched or policy.mixed or policy.segmented
       or num_units > AUTO_UNROLL_MAX):
     return 'scan'
-  if inner_loop() if callable(inner_loop) else inner_loop:
+  if policy.rule in ('none', 'full') and (inner_loop() if callable(inner_loop) else inner_loop):
     return 'scan'
   if pattern or policy.rule == 'none':
     return 'loops'

@@ -69,15 +69,17 @@ def test_auto_is_the_scan_on_cpu_and_inside_vmap():
 
 
 def test_auto_on_a_gpu_per_rule_pattern_and_inner_loop():
-  """On a GPU plan: unrolled for a per-layer rule, loops for none and patterns, the scan for a layer
-  with a loop of its own (docs/own-model.md has the measurements behind each)."""
+  """On a GPU plan: unrolled for a per-layer rule, loops for none and patterns, the scan for none and
+  full where a layer has a loop of its own (docs/own-model.md has the measurements behind each)."""
   pick = lambda spec, **kw: choose_layout(get_policy(spec), N, platform='gpu', **kw)
   assert [pick(s) for s in ('full', 'dots', 'names:fc1', 'none')] == \
       ['unrolled', 'unrolled', 'unrolled', 'loops']
   assert [pick(s, pattern=True) for s in ('full', 'dots', 'none')] == ['loops'] * 3
-  for spec in ('full', 'dots', 'none'):
+  for spec in ('full', 'none'):
     assert pick(spec, inner_loop=True) == 'scan'
     assert pick(spec, pattern=True, inner_loop=lambda: True) == 'scan'
+  assert pick('dots', inner_loop=True) == 'unrolled'
+  assert pick('dots', pattern=True, inner_loop=True) == 'loops'
   asked = []
   assert choose_layout(get_policy('full'), N, platform='cpu',
                        inner_loop=lambda: asked.append(1) or True) == 'scan'
