@@ -5,10 +5,10 @@ The per-block habit is the untouched model with each block in ``nn.remat``
 (tests/public_models/: ``Case.per_block``). On a GPU plan, where a checkpoint
 in straight-line code is kept, the stack should plan no more than that habit
 under the same rule, and no more than the untouched model under ``none``.
-docs/own-model.md has the figures for every public model and ours; two
-representative public models and our GPT (its yardsticks traced with
-:mod:`remat.layout`'s references) are checked here, at 8 layers (slow: six
-compiles each). Where the stack does not meet a bound yet, the ratio measured is
+docs/own-model.md has the figures for every public model and ours; the
+diffusers U-Net aside (its stacks are two or three layers deep), the public
+models and our GPT (its yardsticks traced with :mod:`remat.layout`'s
+references) are checked here, at >= 8 layers (slow: six compiles each). Where the stack does not meet a bound yet, the ratio measured is
 held so that it does not grow (docs/own-model.md says which buffers make the
 difference).
 """
@@ -21,10 +21,18 @@ from tests.public_models import deep_case
 
 # (stack spec, the yardstick it is held to): the per-block habit under the same rule, or untouched.
 BOUNDS = (('full', 'per-block:full'), ('dots', 'per-block:dots'), ('none', 'untouched'))
-# Measured on the H100 plan at the commit that added this file: stack / yardstick > 1 (issue 34).
-# Under full the scan holds its N saved layer inputs as one [N, ...] buffer until its backward
-# loop ends, where the per-block loop frees each after its layer's backward.
-MEASURED_ABOVE = {('vit', 'full'): 1.03, ('lm1b', 'full'): 1.025, ('lm1b', 'none'): 1.015}
+# Where the stack does not meet a bound yet, the ratio measured on the H100 plan (jax 0.10.2) at the
+# commit that set it, held so that it does not grow. XLA's plans are deterministic for a given jax
+# and plugin, so the held value is the measured ratio rounded up in its second decimal, nothing
+# more. Gemma-style and Gemma 3-style full: the per-block model keeps most saved layer inputs in
+# the gradient buffers of layers whose backward has not run yet (XLA's buffer assignment shares
+# an output's bytes until it is written), where the stack's stacked gradient buffer is one
+# allocation, live from the first layer's backward step; docs/own-model.md has the buffers. BERT
+# runs its stack inside jax.vmap, where 'auto' keeps the scan (remat.unrolled's derivative would
+# give per-example weight gradients).
+MEASURED_ABOVE = {('gemma', 'full'): 1.21, ('bert', 'full'): 1.04, ('bert', 'dots'): 1.13,
+                  ('gemma3', 'full'): 1.34, ('gemma3', 'dots'): 1.03}
+PUBLIC = ('vit', 'lm1b', 'gemma', 'bert', 'gemma3')
 
 
 def temps(name: str, target: str) -> dict:
@@ -59,16 +67,18 @@ def our_temps(config: str, target: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.skipif(not gpu_plugin_available(), reason='needs the gpu-plan extra')
 def test_our_gpt_meets_every_bound_h100():
-  """Our tiny GPT (8 layers) meets all three, with no held ratio; its dots is the habit, unrolled."""
+  """Our tiny GPT (8 layers) meets all three, with no held ratio. Its layers loop (a chunked GELU +
+  Dense backward), so under full and none 'auto' keeps the scan, which plans less than the
+  per-block loop; under dots it is the per-block loop itself (equal)."""
   t = our_temps('tiny', 'h100')
-  assert t['full'] < t['per-block:full'] and t['none'] < t['untouched'], t
-  assert t['dots'] == t['per-block:dots'], t
+  for spec, yardstick in BOUNDS:
+    assert t[spec] <= t[yardstick], (spec, yardstick, t[spec] / t[yardstick])
 
 
 @pytest.mark.gpu_plan
 @pytest.mark.slow
 @pytest.mark.skipif(not gpu_plugin_available(), reason='needs the gpu-plan extra')
-@pytest.mark.parametrize('name', ['vit', 'lm1b'])
+@pytest.mark.parametrize('name', PUBLIC)
 def test_stack_plans_no_more_than_the_per_block_habit_h100(name):
   assert deep_case(name).num_layers >= 8
   t = temps(name, 'h100')

@@ -54,7 +54,7 @@ def test_gradients_equal_across_layouts(spec):
 
 @pytest.mark.parametrize('spec', ['none', 'full', 'dots', 'names:fc1', 'sqrt', '2xfull+none'])
 def test_auto_for_a_gpu_equals_the_scan(spec):
-  """'auto' traced for a GPU (unrolled for a matmul-keeping rule): the scan's gradients."""
+  """'auto' traced for a GPU (unrolled for a per-layer rule, loops for none): the scan's gradients."""
   with compiling_for('gpu'):
     got = plain_grads(spec, 'auto')
   assert_trees_close(got, plain_grads(spec, 'scan'), err_msg=f'{spec}: ')
