@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from remat.policies import Policy, sqrt_segment_size
-from remat import unrolled, unrolled_blocks
+from remat import pattern_layers, unrolled_blocks
 from remat.unrolled import batched
 from remat.layout import active_reference, has_loop, lean_saveable, resolve_layout
 from remat.segments import Unit, checkpointed, layer_unit, run_units
@@ -218,8 +218,8 @@ def _run_pattern_blocks(steps, x, xs, num_layers: int, policy: Policy, pattern: 
   """:func:`run_stack` with a pattern under a layout other than the scan."""
   if not policy.mixed and not policy.segmented:
     if layout == 'groups':
-      return _run_runs(steps, x, xs, num_layers, policy, pattern)
-    return _run_layers(steps, x, xs, num_layers, policy, pattern, layout, lean)
+      return pattern_layers.run_runs(steps, x, xs, num_layers, policy, pattern)
+    return pattern_layers.run_layers(steps, x, xs, num_layers, policy, pattern, layout, lean)
   period = collections.Counter(pattern)
   reps, rem = divmod(num_layers, len(pattern))
   head = collections.Counter(pattern[:rem])
@@ -227,74 +227,6 @@ def _run_pattern_blocks(steps, x, xs, num_layers: int, policy: Policy, pattern: 
   counts = {k: [c] * reps + ([head[k]] if rem else []) for k, c in period.items()}
   return unrolled_blocks.run(repeat_unit(steps, pattern), x, xs, counts, units, policy, layout,
                              lean, tail_unit=repeat_unit(steps, pattern[:rem]) if rem else None)
-
-
-def _run_layers(steps, x, xs, num_layers: int, policy: Policy, pattern: tuple, layout: str,
-                lean: bool):
-  """A per-layer rule, unrolled: each layer its own block, as in the user's per-block loop.
-
-  A repeat as one block would keep its layers' saved values together and
-  leave XLA free to recompute all of them at once in the backward pass (a
-  block's recompute is one straight-line piece); one block per layer puts
-  :mod:`remat.unrolled`'s barrier between layers, so the backward pass
-  recomputes and differentiates one layer at a time, as ``nn.remat`` on each
-  block does.
-  """
-  kinds = [pattern[i % len(pattern)] for i in range(num_layers)]
-  counts = {k: [int(kind == k) for kind in kinds] for k in dict.fromkeys(pattern)}
-  builders = {k: _layer_of(steps[k], k) for k in counts}
-  return unrolled_blocks.run(None, x, xs, counts, num_layers, policy, layout, lean,
-                             unit_at=lambda u: builders[kinds[u]])
-
-
-def _run_runs(steps, x, xs, num_layers: int, policy: Policy, pattern: tuple):
-  """A per-layer rule as runs of one kind: each run of consecutive layers of a kind one scan.
-
-  Gemma 3's pattern over 12 layers is four blocks of :mod:`remat.unrolled`'s
-  loop: five local layers scanned, the global layer, five local layers
-  scanned, the global layer. Each layer is in ``jax.checkpoint`` with the rule
-  (for ``none`` the lean rule, since a scan's saved values are its outputs), so
-  the backward pass works one layer at a time; and, unlike a scan over
-  repeats, no gradient or saved value is stacked per repeat and copied between
-  the loop and its layers' own stacks.
-  """
-  rule = policy._layer_policy()
-  kinds = [pattern[i % len(pattern)] for i in range(num_layers)]
-  counts = {k: [int(kind == k) for kind in kinds] for k in dict.fromkeys(pattern)}
-  blocks, start, cache = [], 0, {}
-  while start < num_layers:
-    kind, length = kinds[start], 1
-    while start + length < num_layers and kinds[start + length] == kind:
-      length += 1
-    key = (kind, length > 1)
-    if key not in cache:
-      cache[key] = (_run_of(steps[kind], kind, rule or lean_saveable) if length > 1
-                    else _layer_of(steps[kind], kind)(rule, False))
-    blocks.append(unrolled.Block(start, length, cache[key], 'rule', rule is not None or length > 1))
-    start += length
-  return unrolled.run(blocks, x, xs, counts)
-
-
-def _run_of(step: Callable, kind, rule) -> Callable:
-  """Consecutive layers of one kind as a scan over their ``[length, ...]`` inputs."""
-  layer = checkpointed(step, rule, False)
-
-  def run(x, view):
-    x, ys = jax.lax.scan(layer, x, view[kind])
-    return x, {kind: ys}
-  return run
-
-
-def _layer_of(step: Callable, kind) -> Unit:
-  """One layer of kind ``kind`` as a unit whose inputs and outputs are keyed by kind."""
-  def unit(rule, prevent_cse: bool, flat: bool = False) -> Callable:
-    layer = checkpointed(step, rule, prevent_cse)
-
-    def run(x, view):
-      x, y = layer(x, view[kind])
-      return x, {kind: y}
-    return run
-  return unit
 
 
 def _run_pattern(steps, x, xs, num_layers: int, policy: Policy, pattern: tuple):
