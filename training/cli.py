@@ -97,9 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
                       "DIR/<class>/*.png|jpg|jpeg or DIR/train/<class>/... and DIR/val/<class>/... "
                       "(default: procedural shapes)")
   p.add_argument('--eval-data', default=None, action='append', metavar='PATH',
-                 help='gpt/llama: a .jsonl or text file (or a folder) of held-out rows, every '
-                      "row evaluated (metrics eval_<its stem>_loss, ...) beside --data's own "
-                      'held-out split; may be given several times')
+                 help='a held-out set evaluated whole beside --data\'s own held-out split '
+                      '(metrics eval_<its stem>_loss, ...; may be given several times): '
+                      'gpt/llama: a .jsonl or text file (or a folder) of rows; vit/resnet: a '
+                      "folder of class folders, DIR/<class>/*.png|jpg|jpeg, of the run's classes "
+                      '(no augmentation; eval_<stem>_accuracy too)')
   p.add_argument('--eval-generate', type=int, default=None, metavar='N',
                  help='gpt/llama: at each evaluation, greedy generation (a KV cache) on the '
                       'first N prompt/completion rows of each held-out set: exact match and '

@@ -563,9 +563,12 @@ def _data(cfg: TrainConfig, task: Task, size: int, log, warn, place: meshlib.Pla
   sets evaluated: :class:`training.data.held_out.HeldOutSet`); logs the data."""
   if task.is_vision:
     from training.data.held_out import HeldOutSet
+    from training.data.held_out_images import eval_image_sets
     from training.data.vision_source import open_vision_data
-    batch_at, val, meta = open_vision_data(cfg, task, size, log, place.local_rows(cfg.batch_size))
-    return batch_at, val, meta, [HeldOutSet('val', val)]
+    rows = place.local_rows(cfg.batch_size)
+    batch_at, val, meta = open_vision_data(cfg, task, size, log, rows)
+    return batch_at, val, meta, [HeldOutSet('val', val)] + eval_image_sets(
+        cfg, task, size, meta, log, warn, rows)
   return open_text(cfg, size, log, place.local_rows(cfg.batch_size), warn)
 
 
