@@ -422,7 +422,7 @@ def _loop(cfg, task, size, policy, step_fn, state, batch_at, held_out, model, me
   keeper = (best_lib.Keeper(out, cfg.keep_best, cfg.early_stop, rundir.kept_rows(out, start))
             if cfg.keep_best else None)
   bad_in_row = 0
-  # Throughput unit: tokens (bytes) for GPT, images for vision.
+  # Throughput unit: tokens for GPT and Llama (bytes in a byte-level run), images for vision.
   unit, per_step = ('img', cfg.batch_size) if task.is_vision else ('tok', cfg.batch_size * size)
   with tqdm(total=cfg.steps, initial=start, desc=f'train {policy.spec}', unit='step',
             file=sys.stdout, dynamic_ncols=True, mininterval=0.5,
