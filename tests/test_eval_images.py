@@ -142,3 +142,16 @@ def test_training_images_in_an_eval_folder_are_named(run):
   assert [s.name for s in sets] == ['eval_data'] and len(sets[0].batches) == 3   # 12 images
   assert warned == [f"--eval-data '{tmp / 'data'}': 10 of its 12 images are also training "
                     f"images of --data {tmp / 'data'}: its metrics are not held-out ones"]
+
+
+def test_a_text_run_refuses_an_image_folder(run, tmp_path, capsys):
+  """A gpt run given an image folder says so, rather than reading the PNGs as text."""
+  text = tmp_path / 't.txt'
+  text.write_text('the quick brown fox jumps over the lazy dog. ' * 50)
+  out = tmp_path / 'never'
+  code = cli.main(['--model', 'gpt', '--data', str(text), '--seq-len', '16', '--steps', '1',
+                   f'--eval-data={run[0] / "reds"}', f'--out={out}', '--no-memory-report'])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert code == 2 and len(err) == 1, err
+  assert f"--eval-data '{run[0] / 'reds'}' holds images (.png files); a gpt or llama run " in err[0]
+  assert not out.exists()
