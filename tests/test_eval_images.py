@@ -52,7 +52,7 @@ def run(tmp_path_factory):
   with contextlib.redirect_stdout(io.StringIO()) as said:
     code = cli.main(_argv(tmp, out, '--steps=6', '--eval-every=3', '--eval-batches=1',
                           '--lr=3e-3', f'--eval-data={tmp / "heldout"}',
-                          f'--eval-data={tmp / "reds"}'))
+                          f'--eval-data={tmp / "reds"}', '--keep-best=eval_reds_loss'))
   assert code == 0, said.getvalue()
   rows = [json.loads(l) for l in (out / 'metrics.jsonl').read_text().splitlines()]
   return tmp, out, rows, said.getvalue()
@@ -98,6 +98,7 @@ def test_each_folder_is_named_and_scored_once_per_image(run, capsys):
             'eval_reds_accuracy'} <= set(r)
   config, params, meta = _restore(out)
   assert meta['data']['classes'] == ['blue_square', 'red_disk']
+  assert (out / 'best').is_dir()   # an eval folder's metric is one --keep-best may name
   assert meta['train']['eval_data'] == [str(tmp / 'heldout'), str(tmp / 'reds')]
   # Every image once: the filling rows of the last batch count for nothing (counted with
   # weight 1 they gave 0.5 here), and the one-class folder is scored against the run's labels.
