@@ -60,7 +60,17 @@ PARALLEL = max(1, min(2, os.cpu_count() or 1))
 
 
 class AutoError(PolicyError):
-  """A budget no policy meets, or a search that cannot run; the message is one line."""
+  """A budget no policy meets, or a search that cannot run; the message is one line.
+
+  Attributes:
+    least_spec, least_peak: the compiled plan of least peak, when a search ran and
+      nothing fit (what :func:`remat.auto_levers.choose_levers` reports across levers).
+  """
+
+  def __init__(self, message: str, least_spec: str | None = None, least_peak: int | None = None,
+               budget_bytes: int | None = None):
+    super().__init__(message)
+    self.least_spec, self.least_peak, self.budget_bytes = least_spec, least_peak, budget_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +204,18 @@ class _Search:
     """Lowers ``spec``'s step here and compiles it on the pool (no-op if planned or pending)."""
     if spec in self.plans or spec in self.pending:
       return
+    program = self.program(spec)
+    if getattr(program, 'compile', None) is not None and self.shardings is None:
+      # A step with its own compile (optimizer state in host memory): planned as it runs.
+      self.traced.pop(spec, None)
+      def own_compile():
+        t = time.perf_counter()
+        mem = compiled_memory(program.compile(self.args, self.target), self.target.name)
+        return mem, time.perf_counter() - t
+      self.pending[spec] = self.pool.submit(own_compile)
+      self.seconds[spec] = (0.0, 0.0)
+      self.order.append(spec)
+      return
     t = time.perf_counter()
     traced, options = self._traced(spec)
     lowered = traced.lower()
@@ -258,6 +280,9 @@ class _Search:
   def record(self, budget_bytes: int) -> tuple[dict, ...]:
     self.drain()
     return tuple({'spec': s, 'peak': self.plans[s].peak, 'temp': self.plans[s].temp,
+                  'host_argument': self.plans[s].host_argument,
+                  'host_temp': self.plans[s].host_temp,
+                  'memory': dataclasses.asdict(self.plans[s]),
                   'flops': self.flops(s), 'fits': self.plans[s].peak <= budget_bytes,
                   'lower_s': round(self.seconds[s][0], 2),
                   'compile_s': round(self.seconds[s][1], 2)}
@@ -313,7 +338,8 @@ class _Search:
     cands += stack_candidates(cal, cands)
     if full.peak > nbytes and not (self.n and self.n >= 2):
       spec, peak = self.least(cands)
-      raise AutoError(self._impossible(budget, nbytes, spec, peak, 'without a stack'))
+      raise AutoError(self._impossible(budget, nbytes, spec, peak, 'without a stack'),
+                      spec, peak, nbytes)
     # Estimates within 2% of the none-full range of the budget are compiled rather than trusted.
     tol = 0.02 * max(0, none.peak - full.peak)
     # full is verified already: a candidate must recompute strictly less to be worth a compile.
@@ -388,14 +414,16 @@ class _Search:
       say(f'compile cap ({max_compiles}) reached; taking the least estimate')
       spec, peak = self.least(cands)
       if peak > nbytes:
-        raise AutoError(self._impossible(budget, nbytes, spec, peak, 'after the compile cap'))
+        raise AutoError(self._impossible(budget, nbytes, spec, peak, 'after the compile cap'),
+                        spec, peak, nbytes)
       return spec, nbytes, True
     if best is not None:
       return best[0], nbytes, False
     spec, peak = self.least(cands)
     if peak <= nbytes:   # the model pruned it, the compiler did not: take it
       return spec, nbytes, False
-    raise AutoError(self._impossible(budget, nbytes, spec, peak, f'{len(cands)} candidates'))
+    raise AutoError(self._impossible(budget, nbytes, spec, peak, f'{len(cands)} candidates'),
+                    spec, peak, nbytes)
 
   def _impossible(self, budget, nbytes, spec, peak, what) -> str:
     return (f"{budget.text}: no policy's plan fits {budget.describe(nbytes)} on "
@@ -445,12 +473,19 @@ def choose(build: Callable, *example_args: Any, budget: str | Budget,
     k = auto_cache.key(_key_parts(build, example_args, budget, target, num_layers, cache_key,
                                   max_compiles, shardings))
     rec = auto_cache.load(k)
-    if rec is not None:
+    said = rec.get('impossible') if rec is not None else None
+    if isinstance(said, list) and len(said) == 4:   # the same search found nothing: say so again
+      raise AutoError(*said)
+    if rec is not None and 'choice' in rec:
       return Choice.from_json(rec['choice'], time.perf_counter() - start)
   search = _Search(build, example_args, target, num_layers, log, shardings, parallel)
   try:
     spec, nbytes, exhausted = search.run(budget, max_compiles)
     record = search.record(nbytes)
+  except AutoError as e:
+    if k is not None and e.least_peak is not None:
+      auto_cache.store(k, {'impossible': [str(e), e.least_spec, e.least_peak, e.budget_bytes]})
+    raise
   finally:   # no compile is left running behind the answer (or the error)
     search.drain()
     search.pool.shutdown()
@@ -472,7 +507,7 @@ def _key_parts(build, args, budget: Budget, target: Target, num_layers, cache_ke
     program = auto_cache.jaxpr_fingerprint(jax.make_jaxpr(fn)(*_abstract(args)))
   shapes = [str(a) for a in jax.tree_util.tree_leaves(_abstract(args))]
   return {'program': program, 'args': shapes, 'env': auto_cache.environment(target),
-          'budget': budget.text, 'mem_fraction': mem_fraction() if budget.device else None,
+          'budget': [budget.text, budget.nbytes], 'mem_fraction': mem_fraction() if budget.device else None,
           'num_layers': num_layers, 'max_compiles': max_compiles,
           'mesh': mesh_description(shardings)}
 

@@ -7,6 +7,7 @@ import dataclasses
 import sys
 
 from configs import DEFAULT_CONFIG, config_names
+from remat.auto_budget import is_auto
 from remat.layout import LAYOUTS
 from remat.policies import PolicyError, list_policies
 from remat.targets import prefer_cpu_without_gpu
@@ -23,7 +24,8 @@ _FLAGS = {  # flag -> (type, help); defaults come from the named config, then Tr
     'batch_size': (int, 'sequences or images per step'),
     'grad_accum': (int, 'gradient accumulation: the batch in K microbatches of batch-size / K, '
                         'one update from their float32 gradient sums (activations sized by the '
-                        'microbatch; docs/training.md)'),
+                        'microbatch; docs/training.md); under --remat=auto:BUDGET, unset: chosen '
+                        'with the policy (docs/making-a-run-fit.md)'),
     'seq_len': (int, 'gpt/llama: tokens per sequence (bytes for byte-level text), at most the '
                      'config max_len'),
     'image_size': (int, 'vit/resnet: image side in pixels (a ViT: a multiple of its patch size; '
@@ -179,6 +181,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
   values['config'] = name
   values.update(recorded)
   values.update(flags)
+  # Under --remat=auto:BUDGET the microbatches are a lever the search chooses, unless given.
+  values['grad_accum_search'] = is_auto(values.get('remat') or '') and 'grad_accum' not in flags
   return TrainConfig(**values)
 
 

@@ -129,8 +129,10 @@ def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
   auto_choice = None
   if policy is None:
     from training.step.autoremat import choose_for_run
-    auto_choice = choose_for_run(cfg, named, task, size, log, place, _data_batch(task, data[1]))
+    auto_choice, microbatches = choose_for_run(cfg, named, task, size, log, place,
+                                               _data_batch(task, data[1]))
     policy = get_policy(auto_choice.spec, num_layers=task.num_layers)
+    cfg = dataclasses.replace(cfg, grad_accum=microbatches)
   try:
     out.mkdir(parents=True, exist_ok=True)
   except OSError as e:
