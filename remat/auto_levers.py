@@ -250,6 +250,9 @@ def choose_levers(build: Callable, *example_args: Any, budget: str | Budget, bat
   def bound(k: int, off: bool) -> float:
     return sum(model.terms(none_flops, k, mb_bytes, host_known[0] if off else 0))
 
+  # Every plan's peak counts its arguments: without offload, none of K fits below them.
+  arg_bytes = sum(a.size * a.dtype.itemsize
+                  for a in jax.tree_util.tree_leaves(_abstract(example_args)))
   pending = [(k, off) for k in ks for off in offload]
   settings, plans, infeasible = [], [], []
   picks: dict[tuple[int, bool], tuple[Plan, auto.Choice]] = {}   # each setting's own answer
@@ -263,6 +266,10 @@ def choose_levers(build: Callable, *example_args: Any, budget: str | Budget, bat
     if best is not None and lb >= best.seconds:
       settings.append({**row, 'outcome': 'skipped',
                        'why': 'its least cost is no less than the best plan'})
+      continue
+    if not off and nbytes is not None and arg_bytes > nbytes:
+      settings.append({**row, 'outcome': 'skipped', 'why': 'its arguments alone (parameters, '
+                       f'optimizer state, batch: {format_bytes(arg_bytes)}) exceed the budget'})
       continue
     if any(k <= k2 and off <= off2 for k2, off2 in infeasible):
       settings.append({**row, 'outcome': 'skipped',
@@ -308,8 +315,8 @@ def choose_levers(build: Callable, *example_args: Any, budget: str | Budget, bat
         f'{mine.seconds * 1e3:.3g} ms')
   if not picks:
     spec, peak = (least[1], least[0]) if least else (None, None)
-    raise auto.AutoError(_nothing_fits(budget, nbytes, target, batch_size, ks, offload, least),
-                         spec, peak)
+    raise auto.AutoError(_nothing_fits(budget, nbytes, target, batch_size, ks, offload, least,
+                                       arg_bytes), spec, peak, nbytes)
   # Any plan compiled that fits may win, not only each setting's least recompute: an
   # offload: policy's transfers can cost more than another policy's recompute.
   best = min(plans, key=lambda p: (p.seconds, p.peak))
@@ -325,11 +332,13 @@ def choose_levers(build: Callable, *example_args: Any, budget: str | Budget, bat
                      choice, tuple(settings), model, none_flops, time.perf_counter() - start)
 
 
-def _nothing_fits(budget, nbytes, target, batch_size, ks, offload, least) -> str:
+def _nothing_fits(budget, nbytes, target, batch_size, ks, offload, least, arg_bytes) -> str:
   where = f"microbatches {','.join(map(str, ks))}"
   if True in offload:
-    where += ', optimizer state on the device or the host'
-  found = ''
+    where += (', optimizer state on the device or the host' if False in offload else
+              ', optimizer state on the host')
+  found = (f'; the arguments alone (parameters, optimizer state, batch) are '
+           f'{format_bytes(arg_bytes)}')
   if least is not None:
     peak, spec, k, off = least
     found = (f'; the least peak any plan reaches is {format_bytes(peak)} ({spec}, {k} '

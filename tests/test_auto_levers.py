@@ -109,14 +109,26 @@ def test_fraction_budget_is_of_the_whole_batch(stock):
 
 
 def test_a_budget_nothing_meets_is_one_line_with_the_least_plan(stock):
+  """Above the arguments (parameters and batch, 544 KiB) but below every plan: the least plan
+  found is named; below the arguments, nothing is compiled and they are named."""
   with pytest.raises(auto.AutoError) as e:
-    auto_levers.choose_levers(build, *ARGS, budget='auto:64KiB', batch_size=B, num_layers=L,
+    auto_levers.choose_levers(build, *ARGS, budget='auto:1MiB', batch_size=B, num_layers=L,
                               microbatches=(1, 2))
   msg = str(e.value)
-  assert '\n' not in msg and msg.startswith('auto:64KiB: no plan fits 64.00 KiB on cpu for batch')
+  assert '\n' not in msg and msg.startswith('auto:1MiB: no plan fits 1.00 MiB on cpu for batch')
   # The least plan found is named, and it is no more than the stock policies' least at K=2.
   assert e.value.least_peak <= min(stock[(s, 2)][0] for s in STOCK)
   assert f'the least peak any plan reaches is {format_bytes(e.value.least_peak)}' in msg
+
+  def no_compile(*a, **k):
+    raise AssertionError('compiled a plan below its own arguments')
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(jax.stages.Lowered, 'compile', no_compile)
+    with pytest.raises(auto.AutoError) as e:
+      auto_levers.choose_levers(build, *ARGS, budget='auto:64KiB', batch_size=B, num_layers=L,
+                                microbatches=KS)
+  assert str(e.value).endswith('the arguments alone (parameters, optimizer state, batch) are '
+                               '544.00 KiB')
 
 
 def test_a_cached_search_compiles_nothing(stock, monkeypatch):
@@ -132,3 +144,32 @@ def test_a_cached_search_compiles_nothing(stock, monkeypatch):
                                     microbatches=KS, cache_key={'model': 'levers-mlp'})
   assert (again.spec, again.microbatches, again.best.peak) == (
       first.spec, first.microbatches, first.best.peak)
+
+
+def test_train_cli_searches_microbatches_unless_given():
+  """--remat=auto:BUDGET makes K a lever; an explicit --grad-accum (or no budget) fixes it."""
+  from training import cli
+  parse = lambda *a: cli.config_from_args(cli.build_parser().parse_args(list(a)))
+  assert parse('--remat=auto:1GiB').grad_accum_search
+  assert not parse('--remat=auto:1GiB', '--grad-accum', '2').grad_accum_search
+  assert not parse('--remat=full').grad_accum_search
+
+
+@pytest.mark.slow
+def test_train_auto_accumulates_where_the_whole_batch_does_not_fit(tmp_path, text_file):
+  """train.py --remat=auto:0.55x on tiny, batch 8 x 128: no policy's plan of the whole batch
+  fits (full, the least, plans 0.58x of none: the parameters and AdamW state are most of it),
+  so the run trains on microbatches, and records the K and the plan it took."""
+  from training.run.checkpoints import read_meta
+  from training.trainer import TrainConfig, train
+  lines = []
+  cfg = TrainConfig(config='tiny', remat='auto:0.55x', steps=1, batch_size=8, seq_len=128,
+                    data=str(text_file), out=str(tmp_path / 'run'), eval_every=1,
+                    eval_batches=1, save_every=1, memory_report=False, grad_accum_search=True)
+  train(cfg, log=lines.append)
+  assert any(l.startswith('levers: K=1: nothing fits') for l in lines), lines
+  _, meta = read_meta(tmp_path / 'run')
+  k = meta['train']['grad_accum']
+  assert k > 1 and f'grad-accum: {k} microbatches of {8 // k} per step of 8' in ' '.join(lines)
+  assert meta['auto']['memory']['peak'] <= meta['auto']['budget_bytes']
+  assert meta['auto']['spec'] == meta['policy']
