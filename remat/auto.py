@@ -185,6 +185,7 @@ class _Search:
                shardings: tuple | None = None, parallel: int = PARALLEL):
     self.build, self.args, self.target, self.n, self.log = build, args, target, num_layers, log
     self.shardings = shardings
+    self.offload_rules = target.sharding is not None   # offload: rules only where they act
     self.plans: dict[str, MemoryStats] = {}
     self.pending: dict[str, concurrent.futures.Future] = {}
     self.seconds: dict[str, tuple[float, float]] = {}   # spec -> (lowering s, compile s)
@@ -334,7 +335,7 @@ class _Search:
       return 'none', nbytes, False
     say(f'full plans {format_bytes(full.peak)}')
     self.traces = 0   # the cap counts the search's own FLOP counts, not the calibration's
-    cands = layer_candidates(cal, tags, offload=self.target.sharding is not None)
+    cands = layer_candidates(cal, tags, offload=self.offload_rules)
     cands += stack_candidates(cal, cands)
     if full.peak > nbytes and not (self.n and self.n >= 2):
       spec, peak = self.least(cands)
@@ -435,7 +436,8 @@ def choose(build: Callable, *example_args: Any, budget: str | Budget,
            target: Target | str = 'cpu', num_layers: int | None = None,
            cache: bool = True, cache_key: dict | None = None,
            max_compiles: int = MAX_COMPILES, log: Callable[[str], None] | None = None,
-           shardings: tuple | None = None, parallel: int = PARALLEL) -> Choice:
+           shardings: tuple | None = None, parallel: int = PARALLEL,
+           offload_rules: bool | None = None) -> Choice:
   """The policy of least recompute whose compiled plan's peak fits ``budget``.
 
   Args:
@@ -456,6 +458,8 @@ def choose(build: Callable, *example_args: Any, budget: str | Budget,
       of local devices: every plan is XLA's per-device plan of the partitioned
       step, the budget is per device, and the mesh is part of the cache key.
     parallel: plans compiled at once (the answer does not depend on it).
+    offload_rules: search ``offload:`` rules (activations in host memory); default:
+      on GPU targets (a no-op on the CPU backend).
 
   Returns:
     A :class:`Choice`.
@@ -468,10 +472,12 @@ def choose(build: Callable, *example_args: Any, budget: str | Budget,
   log = log or (lambda s: None)
   target = get_target(target) if isinstance(target, str) else target
   budget = parse_budget(budget) if isinstance(budget, str) else budget
+  if offload_rules is None:
+    offload_rules = target.sharding is not None
   k = None
   if cache:
     k = auto_cache.key(_key_parts(build, example_args, budget, target, num_layers, cache_key,
-                                  max_compiles, shardings))
+                                  max_compiles, shardings, offload_rules))
     rec = auto_cache.load(k)
     said = rec.get('impossible') if rec is not None else None
     if isinstance(said, list) and len(said) == 4:   # the same search found nothing: say so again
@@ -479,6 +485,7 @@ def choose(build: Callable, *example_args: Any, budget: str | Budget,
     if rec is not None and 'choice' in rec:
       return Choice.from_json(rec['choice'], time.perf_counter() - start)
   search = _Search(build, example_args, target, num_layers, log, shardings, parallel)
+  search.offload_rules = offload_rules
   try:
     spec, nbytes, exhausted = search.run(budget, max_compiles)
     record = search.record(nbytes)
@@ -499,7 +506,7 @@ def choose(build: Callable, *example_args: Any, budget: str | Budget,
 
 
 def _key_parts(build, args, budget: Budget, target: Target, num_layers, cache_key,
-               max_compiles, shardings=None) -> dict:
+               max_compiles, shardings=None, offload_rules=None) -> dict:
   from remat.auto_budget import mem_fraction
   program = cache_key
   if program is None:
@@ -509,7 +516,7 @@ def _key_parts(build, args, budget: Budget, target: Target, num_layers, cache_ke
   return {'program': program, 'args': shapes, 'env': auto_cache.environment(target),
           'budget': [budget.text, budget.nbytes], 'mem_fraction': mem_fraction() if budget.device else None,
           'num_layers': num_layers, 'max_compiles': max_compiles,
-          'mesh': mesh_description(shardings)}
+          'mesh': mesh_description(shardings), 'offload_rules': offload_rules}
 
 
 __all__ = ['AutoError', 'BudgetError', 'Choice', 'choose', 'plan', 'parse_budget']

@@ -234,6 +234,7 @@ def choose_levers(build: Callable, *example_args: Any, budget: str | Budget, bat
   params_bytes, grad_bytes = _weights(base, example_args)
   mb_bytes = 2 * (weight_bytes if weight_bytes is not None else params_bytes) + 2 * grad_bytes
   offload = sorted(set(offload))
+  gpu = target.sharding is not None
   nbytes = budget.nbytes
   if nbytes is None and budget.fraction is None:   # plain auto: the target's memory
     nbytes = budget.resolve(0, target.device_memory, target.name)
@@ -256,6 +257,7 @@ def choose_levers(build: Callable, *example_args: Any, budget: str | Budget, bat
   pending = [(k, off) for k in ks for off in offload]
   settings, plans, infeasible = [], [], []
   picks: dict[tuple[int, bool], tuple[Plan, auto.Choice]] = {}   # each setting's own answer
+  answers_of: dict[tuple[int, bool], list[auto.Choice]] = {}
   least = None   # (peak, spec, k, off): the least plan of the settings where nothing fit
   while pending:
     pending.sort(key=lambda s: (bound(*s), s))
@@ -277,14 +279,23 @@ def choose_levers(build: Callable, *example_args: Any, budget: str | Budget, bat
       continue
     say = lambda s, k=k, off=off: log(f'levers: K={k}{" offload" if off else ""}: {s}')
     key = None if cache_key is None else {**cache_key, 'microbatches': k, 'offload': off}
-    try:
-      fixed = budget if nbytes is None else Budget(budget.text, nbytes=nbytes)
-      choice = auto.choose(lambda pol, k=k, off=off: build(pol, k, off), *example_args,
-                           budget=fixed, target=target, num_layers=num_layers, cache=cache,
-                           cache_key=key, max_compiles=max_compiles, log=say,
-                           shardings=shardings)
-    except auto.AutoError as e:
-      nbytes = nbytes if nbytes is not None else e.budget_bytes
+    answers, errors = [], []
+    # remat.auto takes the least recompute; an offload: rule (activations in host memory) can
+    # be that and still cost more in transfers than another rule's recompute, so on a GPU the
+    # rules that keep activations on the device are searched apart, and both answers ranked.
+    for rules in ((False, True) if gpu else (False,)):
+      try:
+        fixed = budget if nbytes is None else Budget(budget.text, nbytes=nbytes)
+        answers.append(auto.choose(lambda pol, k=k, off=off: build(pol, k, off), *example_args,
+                                   budget=fixed, target=target, num_layers=num_layers,
+                                   cache=cache, cache_key=key, max_compiles=max_compiles,
+                                   log=say, shardings=shardings, offload_rules=rules))
+        nbytes = answers[-1].budget_bytes
+      except auto.AutoError as e:
+        nbytes = nbytes if nbytes is not None else e.budget_bytes
+        errors.append(e)
+    if not answers:
+      e = min(errors, key=lambda e: e.least_peak if e.least_peak is not None else 1 << 62)
       infeasible.append((k, off))
       settings.append({**row, 'outcome': 'nothing fits', 'least_peak': e.least_peak,
                        'least_spec': e.least_spec})
@@ -292,25 +303,29 @@ def choose_levers(build: Callable, *example_args: Any, budget: str | Budget, bat
         least = (e.least_peak, e.least_spec, k, off)
       say(f'nothing fits (least {format_bytes(e.least_peak or 0)})')
       continue
-    nbytes = choice.budget_bytes
-    if off:
-      host_known[0] = choice.memory.host_argument
     # Host bytes move each step: the optimizer state (offloaded) and activations an offload:
-    # policy keeps in host memory (the plan's host temp), each once in and once out.
-    host = lambda argument, temp: (argument if off else 0) + temp
-    for rec in choice.compiled:
-      if rec['fits']:
-        h = host(rec.get('host_argument', 0), rec.get('host_temp', 0))
-        plans.append(Plan(rec['spec'], k, off, rec['peak'], rec['temp'], h, rec['flops'],
-                          model.terms(rec['flops'], k, mb_bytes, h)))
-    # The setting's answer is auto's: the least recompute that fits there (its transfers,
-    # if it offloads activations, are in its cost against the other settings' answers).
-    h = host(choice.memory.host_argument, choice.memory.host_temp)
-    mine = Plan(choice.spec, k, off, choice.memory.peak, choice.memory.temp, h, choice.flops,
-                model.terms(choice.flops, k, mb_bytes, h))
+    # rule keeps in host memory (the plan's host temp), each once in and once out.
+    host = lambda argument, temp, off=off: (argument if off else 0) + temp
+    if off:
+      host_known[0] = answers[0].memory.host_argument
+    seen = {(p.spec, p.microbatches, p.offload) for p in plans}
+    for choice in answers:
+      for rec in choice.compiled:
+        if rec['fits'] and (rec['spec'], k, off) not in seen:
+          seen.add((rec['spec'], k, off))
+          h = host(rec.get('host_argument', 0), rec.get('host_temp', 0))
+          plans.append(Plan(rec['spec'], k, off, rec['peak'], rec['temp'], h, rec['flops'],
+                            model.terms(rec['flops'], k, mb_bytes, h)))
+    # The setting's answer: the cheaper of the searches' (each the least recompute that fits).
+    mine, choice = min(((Plan(c.spec, k, off, c.memory.peak, c.memory.temp,
+                              host(c.memory.host_argument, c.memory.host_temp), c.flops,
+                              model.terms(c.flops, k, mb_bytes,
+                                          host(c.memory.host_argument, c.memory.host_temp))), c)
+                        for c in answers), key=lambda pc: pc[0].seconds)
     picks[(k, off)] = (mine, choice)
+    answers_of[(k, off)] = answers
     settings.append({**row, 'outcome': choice.spec, 'peak': choice.memory.peak,
-                     'est_s': mine.seconds, 'cached': choice.cached})
+                     'est_s': mine.seconds, 'cached': all(c.cached for c in answers)})
     say(f'{choice.spec} plans {format_bytes(choice.memory.peak)}, est. '
         f'{mine.seconds * 1e3:.3g} ms')
   if not picks:
@@ -322,7 +337,8 @@ def choose_levers(build: Callable, *example_args: Any, budget: str | Budget, bat
   best = min(plans, key=lambda p: (p.seconds, p.peak))
   choice = picks[(best.microbatches, best.offload)][1]
   if choice.spec != best.spec:   # the record describes the plan that is taken
-    rec = next(r for r in choice.compiled if r['spec'] == best.spec)
+    rec = next(r for c in answers_of[(best.microbatches, best.offload)] for r in c.compiled
+               if r['spec'] == best.spec)
     choice = dataclasses.replace(choice, spec=best.spec, flops=best.flops,
                                  memory=MemoryStats(**rec['memory']))
   same = lambda p: (p.spec, p.microbatches, p.offload) == (best.spec, best.microbatches,
