@@ -174,3 +174,27 @@ def test_train_auto_accumulates_where_the_whole_batch_does_not_fit(tmp_path, tex
   m = meta['auto']['memory']
   assert m['argument'] + m['output'] - m['alias'] + m['temp'] <= meta['auto']['budget_bytes']
   assert meta['auto']['spec'] == meta['policy']
+
+
+@pytest.mark.gpu_plan
+def test_h100_plan_moves_the_state_to_the_host_where_nothing_fits_with_it():
+  """llama-tiny, batch 4 x 64, whole batch, on the H100 plan, within what `full` plans with the
+  AdamW state in host memory: with the state on the device no policy fits, so the pick keeps it
+  on the host, and its plan, compiled again, fits with the state as host arguments."""
+  from bench import zoo
+  from configs import load_config
+  named = load_config('llama-tiny')
+  n = named.model.num_layers
+  target = get_target('h100')
+  case = lambda k=1, off=False: zoo.case(named.model, 4, 64, microbatches=k, offload=off)
+  state, batch = case().step_args()
+  build = lambda policy, k, off: case(k, off).train_step(policy)
+  budget = auto.plan(build(get_policy('full', num_layers=n), 1, True), (state, batch), target).peak
+  choice = auto_levers.choose_levers(build, state, batch, budget=f'auto:{budget}B', batch_size=4,
+                                     target=target, num_layers=n, microbatches=(1,),
+                                     offload=(False, True))
+  assert [(s['offload'], s['outcome']) for s in choice.settings][0] == (False, 'nothing fits')
+  assert choice.offload and choice.best.host > 0
+  again = auto.plan(build(get_policy(choice.spec, num_layers=n), 1, True), (state, batch), target)
+  assert again.peak == choice.best.peak <= budget
+  assert again.host_argument == choice.choice.memory.host_argument > 0
