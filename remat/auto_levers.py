@@ -264,20 +264,20 @@ def choose_levers(build: Callable, *example_args: Any, budget: str | Budget, bat
     k, off = pending.pop(0)
     lb = bound(k, off)
     row = {'microbatches': k, 'offload': off, 'bound_s': lb}
-    best = min(plans, key=lambda p: p.seconds, default=None)
-    if best is not None and lb >= best.seconds:
-      settings.append({**row, 'outcome': 'skipped',
-                       'why': 'its least cost is no less than the best plan'})
-      continue
-    if not off and nbytes is not None and arg_bytes > nbytes:
-      settings.append({**row, 'outcome': 'skipped', 'why': 'its arguments alone (parameters, '
-                       f'optimizer state, batch: {format_bytes(arg_bytes)}) exceed the budget'})
-      continue
-    if any(k <= k2 and off <= off2 for k2, off2 in infeasible):
-      settings.append({**row, 'outcome': 'skipped',
-                       'why': 'larger microbatches than a setting where nothing fit'})
-      continue
     say = lambda s, k=k, off=off: log(f'levers: K={k}{" offload" if off else ""}: {s}')
+    best = min(plans, key=lambda p: p.seconds, default=None)
+    why = None
+    if best is not None and lb >= best.seconds:
+      why = 'its least cost is no less than the best plan'
+    elif not off and nbytes is not None and arg_bytes > nbytes:
+      why = (f'its arguments alone (parameters, optimizer state, batch: '
+             f'{format_bytes(arg_bytes)}) exceed the budget')
+    elif any(k <= k2 and off <= off2 for k2, off2 in infeasible):
+      why = 'fewer (so larger) microbatches than a setting where nothing fit'
+    if why is not None:
+      settings.append({**row, 'outcome': 'skipped', 'why': why})
+      say(f'skipped: {why}')
+      continue
     key = None if cache_key is None else {**cache_key, 'microbatches': k, 'offload': off}
     answers, errors = [], []
     # remat.auto takes the least recompute; an offload: rule (activations in host memory) can
