@@ -2,8 +2,9 @@
 
 The entry points are here; what they use lives in three folders, by concern:
 
-- :mod:`training.cli` (``train.py``'s flags) and :mod:`training.trainer` (the loop: memory
-  line, steps, evaluation, metrics, checkpoints); :mod:`training.export` (``export.py``: a run
+- :mod:`training.cli` (``train.py``'s flags), :mod:`training.trainer` (the run: checks, data,
+  state, the compiled step, the memory line) and :mod:`training.loop` (its steps, evaluation,
+  metrics and checkpoints); :mod:`training.export` (``export.py``: a run
   to a Hugging Face folder) and :mod:`training.sample` (``sample.py``: a text run continues a
   prompt), whose scripts beside ``train.py`` run them from any folder;
 - :mod:`training.data`: what a run trains on (bytes, tokenized and packed ``.jsonl`` or text,
