@@ -64,3 +64,12 @@ def test_the_scripts_name_themselves(tmp_path):
   assert list(tmp_path.iterdir()) == []   # nothing written
   got = _script('sample.py', '--help', cwd=tmp_path)
   assert got.returncode == 0 and got.stdout.startswith('usage: sample.py [-h]')
+
+
+def test_plot_runs_from_another_folder(run, tmp_path):
+  got = _script('plot.py', str(run), '--out', 'm.png', cwd=tmp_path)
+  assert got.returncode == 0, got.stderr
+  assert (tmp_path / 'm.png').stat().st_size > 0
+  bad = _script('plot.py', str(tmp_path / 'no-such-run'), cwd=tmp_path)
+  assert bad.returncode == 2 and bad.stderr.startswith('plot.py: error: ')
+  assert bad.stderr.count('\n') == 1
