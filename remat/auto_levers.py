@@ -10,11 +10,11 @@ fit by a stated cost model (:class:`CostModel`, docs/making-a-run-fit.md)::
 
     seconds = FLOPs / flops_per_s                         compute, recompute included
             + (K - 1) * microbatch_bytes / memory_bytes_per_s   each extra microbatch
-            + 2 * host_bytes / host_bytes_per_s           offloaded state in and out
+            + 2 * host_bytes / host_bytes_per_s           host memory in and out
 
 where ``microbatch_bytes`` is the weights read twice (forward and backward) and
 the float32 gradient sum read and written, and ``host_bytes`` is what the
-compiled plan keeps in host memory. FLOPs are counted exactly (:mod:`remat.flops`);
+compiled plan keeps in host memory (optimizer state, offloaded activations). FLOPs are counted exactly (:mod:`remat.flops`);
 peaks are the compiler's plans; only the ranking uses the model.
 
 The search stays small:
@@ -24,9 +24,11 @@ The search stays small:
   once the bound reaches the cost of the best plan found: none can beat it;
 * a setting with less accumulation and no more offload than one where nothing
   fit is skipped (a larger microbatch keeps more, never less);
-* within a setting, :func:`remat.auto.choose` finds its least-recompute plan
-  (the least cost there, but for an ``offload:`` policy's transfers) and caches
-  it on disk; every plan it compiled that fits is ranked with the others.
+* within a setting, :func:`remat.auto.choose` finds its least-recompute plan,
+  the least cost there but for transfers: on GPU targets it searches twice,
+  with and without ``offload:`` rules (activations in host memory), and the
+  cheaper answer stands; answers are cached on disk, and every plan compiled
+  that fits is ranked with the others.
 """
 
 from __future__ import annotations
