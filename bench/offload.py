@@ -69,6 +69,7 @@ def offload_report(args, named, fam, size, target, header, specs) -> dict:
   refuse_combinations(args)
   case = zoo.case(named.model, args.batch_size, size, args.layout, microbatches=args.grad_accum)
   rows = offload_rows(case, specs, target)
-  print(format_rows(rows, header.replace('# train step', '# train step, optimizer state in '
-                                         'host memory')))
+  # '# train step (optimizer state in host memory) accumulated over K microbatches of ...'
+  print(format_rows(rows, header.replace('# train step', '# train step (optimizer state in '
+                                         'host memory)', 1)))
   return {'offload_optimizer': rows, 'jax': jax.__version__}

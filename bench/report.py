@@ -86,12 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
                  help='per-device plan of the train step on a device mesh (axes data, fsdp; '
                       'docs/sharding.md; with --explain, each device\'s explanation); on CPU '
                       'simulate the devices with XLA_FLAGS=--xla_force_host_platform_device_count=N')
-  p.add_argument('--fit', nargs='?', const='batch', choices=('batch', 'size'), default=None,
+  p.add_argument('--fit', nargs='?', const='batch', choices=('batch', 'size', 'levers'),
+                 default=None,
                  help='instead of the table at one shape: per policy, the largest batch (or, with '
-                      "'--fit size', sequence length / image side) whose compiled plan fits --budget")
+                      "'--fit size', sequence length / image side) whose compiled plan fits "
+                      "--budget; '--fit levers': the fastest policy, microbatches and (GPU "
+                      'targets) optimizer placement for --batch-size within --budget, by the '
+                      'cost model of docs/making-a-run-fit.md')
   p.add_argument('--budget', default='auto', metavar='auto[:SIZE]',
                  help="for --fit: auto:SIZE (e.g. auto:40GiB), or auto: the target's memory times "
-                      'the preallocated fraction (GPU targets)')
+                      "the preallocated fraction (GPU targets); --fit levers also takes auto:Fx "
+                      "(none's plan of the whole batch times F)")
   p.add_argument('--fused-update', action='store_true',
                  help='measure the train step with AdamW applied layer by layer in the backward '
                       'pass (remat.fused_update; a per-layer clip) instead of the ordinary one; '
@@ -138,7 +143,8 @@ def _check(args):
   check_layout(args.layout)
   # One-line errors: the size does not fit, K does not divide the batch.
   zoo.case(named.model, args.batch_size, size, args.layout, microbatches=args.grad_accum)
-  if args.grad_accum > 1 and (args.sweep or args.fit or args.fused_update or args.device_peak):
+  if args.grad_accum > 1 and (args.sweep or args.fit in ('batch', 'size') or args.fused_update
+                             or args.device_peak):
     raise ValueError('--grad-accum plans the policy table, --mesh and --explain: drop --sweep, '
                      '--fit, --fused-update and --device-peak')
   return named, fam, size
@@ -380,7 +386,10 @@ def main(argv=None) -> int:
               f'{named.model.dtype}, target {target.name} ({target.description}), '
               f'layout {args.layout}, compile only'
               f'{" + timed on the local backend" if args.time else ""} (jax {jax.__version__})')
-    if args.offload_optimizer and target.sharding is not None and not args.fit:
+    if args.fit == 'levers':
+      from bench.levers import levers_report
+      body = levers_report(args, named, fam, size, target, header)
+    elif args.offload_optimizer and target.sharding is not None and not args.fit:
       body = _offload_report(args, named, fam, size, target, header)
     elif args.explain:
       body = _explain_report(args, named, fam, size, target, header)

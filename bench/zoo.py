@@ -190,7 +190,8 @@ class Case:
     return {'model': dataclasses.asdict(self.task.config), 'arch': self.task.arch,
             'batch_size': self.batch_size, 'size': self.size, 'optimizer': OPTIMIZER,
             'guard': guard, 'source': source_hash(),
-            **({'microbatches': self.microbatches} if self.microbatches > 1 else {})}
+            **({'microbatches': self.microbatches} if self.microbatches > 1 else {}),
+            **({'offload': True} if self.offload else {})}
 
   def choose(self, budget: str, target: Target | str, **kwargs):
     """``--remat=auto`` on this case's train step: :func:`remat.auto.choose`."""

@@ -30,21 +30,20 @@ MaxText presets select them as MaxText users know them.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from models.attention import attention
-from models.chunking import row_chunks
 from models.layers import DTYPES
 from models.lora.dense import AdaptedDense, adapter_key
 from models.lora.spec import PROJECTIONS, LoraSpec, as_spec, projection_tag
+from models.rope import (  # noqa: F401  (RoPE and SwiGLU re-exported: the model's names)
+    RopeScaling, apply_rotary, rope_frequencies, rotary_tables)
+from models.swiglu import swiglu_down, swiglu_mlp  # noqa: F401
 from remat.policies import Policy, get_policy
 from remat.stack import LayerStack
 
@@ -62,30 +61,6 @@ TAGS = {
 }
 
 _INIT_STD = 0.02   # HF LlamaConfig.initializer_range
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-  """Llama 3's rotary frequency scaling (HF ``rope_scaling`` with ``rope_type: 'llama3'``).
-
-  Wavelengths longer than ``original_max_position_embeddings / low_freq_factor``
-  are stretched by ``factor``, those shorter than ``... / high_freq_factor`` kept,
-  and those between interpolated smoothly (:func:`rope_frequencies`).
-  """
-  factor: float = 8.0
-  low_freq_factor: float = 1.0
-  high_freq_factor: float = 4.0
-  original_max_position_embeddings: int = 8192
-
-  def __post_init__(self):
-    if not self.factor > 0:
-      raise ValueError(f'RopeScaling.factor must be > 0, got {self.factor}')
-    if not 0 < self.low_freq_factor < self.high_freq_factor:
-      raise ValueError(f'RopeScaling needs 0 < low_freq_factor < high_freq_factor, got '
-                       f'{self.low_freq_factor} and {self.high_freq_factor}')
-    if self.original_max_position_embeddings < 1:
-      raise ValueError('RopeScaling.original_max_position_embeddings must be >= 1, got '
-                       f'{self.original_max_position_embeddings}')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,48 +149,6 @@ class LlamaConfig:
     return self.d_model // self.num_heads
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
-  """Rotary inverse frequencies ``[head_dim / 2]`` (float32), Llama 3-scaled if ``scaling`` is set.
-
-  Computed in float64 and rounded once: HF rounds each step in float32, which
-  differs by an ulp or so (far inside the test tolerances).
-  """
-  inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-  if scaling is not None:
-    old = scaling.original_max_position_embeddings
-    low_wavelen = old / scaling.low_freq_factor    # longer: stretched by factor
-    high_wavelen = old / scaling.high_freq_factor  # shorter: kept
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (old / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor)
-    between = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-    inv_freq = np.where(wavelen > low_wavelen, inv_freq / scaling.factor,
-                        np.where(wavelen < high_wavelen, inv_freq, between))
-  return inv_freq.astype(np.float32)
-
-
-def rotary_tables(cfg: LlamaConfig, length: int, positions=None):
-  """``(cos, sin)`` ``[T, Dh]``, float32, for positions ``0..T-1`` (halves repeated, as HF).
-
-  With ``positions`` (int ``[B, T]``, e.g. restarting at 0 for each document of a
-  packed window) the tables are ``[B, T, Dh]`` at those positions.
-  """
-  inv_freq = jnp.asarray(rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-  pos = jnp.arange(length) if positions is None else positions
-  angles = pos.astype(jnp.float32)[..., None] * inv_freq
-  angles = jnp.concatenate([angles, angles], axis=-1)
-  return jnp.cos(angles), jnp.sin(angles)
-
-
-def apply_rotary(x, cos, sin):
-  """Rotates ``[B, T, heads, Dh]`` by position (HF's ``rotate_half`` layout), in ``x``'s dtype."""
-  # [T, Dh] or [B, T, Dh] tables, broadcast over the heads axis.
-  cos, sin = cos[..., None, :].astype(x.dtype), sin[..., None, :].astype(x.dtype)
-  half = x.shape[-1] // 2
-  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-  return x * cos + rotated * sin
-
-
 class Dense(nn.Module):
   """A bias-free ``x @ kernel``: the kernel stored float32, used in ``dtype``."""
   features: int
@@ -278,44 +211,6 @@ class Attention(nn.Module):
     return checkpoint_name(out, 'out_proj')
 
 
-@jax.custom_jvp
-def swiglu_down(gate, up, kernel):
-  """SwiGLU's down projection ``(silu(gate) * up) @ kernel``, keeping only ``gate`` and ``up``.
-
-  Same values as the ops written out. Differentiated as written, the backward
-  pass would keep six ``[.., F]`` arrays per layer (``gate``, ``up``,
-  ``sigmoid(gate)``, its slope, ``silu(gate)`` and the product, the matmul's
-  input for its weight gradient), where PyTorch keeps four (``gate``,
-  ``silu(gate)``, ``up``, the product). This rule keeps ``gate`` and ``up``
-  alone: its tangent is a ``jax.checkpoint`` that rebuilds the rest from them,
-  elementwise, in the backward pass; no matmul is recomputed. The forward
-  matmul stays a plain ``dot_general``, so ``dots`` policies still see (and
-  may save) its output.
-  """
-  return _swiglu_down_apply(gate, up, kernel)
-
-
-def _swiglu_down_apply(gate, up, kernel):
-  return jnp.dot(gate * jax.nn.sigmoid(gate) * up, kernel)   # nn.silu(gate) * up, as HF
-
-
-@functools.partial(jax.checkpoint, prevent_cse=False)
-def _swiglu_down_tangent(gate, up, kernel, d_gate, d_up, d_kernel):
-  # A checkpoint saves its inputs alone. prevent_cse=False: the forward's silu(gate) lives in
-  # another loop (or the same recompute), so XLA's CSE cannot stretch its lifetime.
-  sig = jax.nn.sigmoid(gate)
-  silu = gate * sig
-  # silu'(g) = s + g s (1 - s) = s (1 + g (1 - s))
-  d_hidden = sig * (1 + gate * (1 - sig)) * d_gate * up + silu * d_up
-  return jnp.dot(d_hidden, kernel) + jnp.dot(silu * up, d_kernel)
-
-
-@swiglu_down.defjvp
-def _swiglu_down_jvp(primals, tangents):
-  gate, up, kernel = primals
-  return _swiglu_down_apply(gate, up, kernel), _swiglu_down_tangent(gate, up, kernel, *tangents)
-
-
 class SwiGLUDown(Dense):
   """``Dense(features)(silu(gate) * up)``: the same ``kernel`` and values, a leaner derivative.
 
@@ -325,67 +220,6 @@ class SwiGLUDown(Dense):
   @nn.compact
   def __call__(self, gate, up):
     return swiglu_down(gate, up, self._kernel(gate.shape[-1]))
-
-
-def _mlp_forward(x, wg, wu, wd):
-  gate = checkpoint_name(jnp.dot(x, wg), 'mlpwi_0')
-  up = checkpoint_name(jnp.dot(x, wu), 'mlpwi_1')
-  return _swiglu_down_apply(gate, up, wd), gate, up
-
-
-@jax.custom_vjp
-def swiglu_mlp(x, wg, wu, wd):
-  """SwiGLU ``(silu(x @ wg) * (x @ wu)) @ wd``, with a backward pass over chunks of rows.
-
-  Same values as the ops written out, and the same matmuls in both passes.
-  The backward pass keeps ``x``, ``gate`` and ``up`` (tagged ``mlpwi_0``,
-  ``mlpwi_1``: the matmul outputs a policy may save or recompute, as
-  before) and runs over :data:`models.chunking.BACKWARD_ROWS` rows at a time: each
-  chunk rebuilds ``silu(gate)`` and its slope elementwise, computes its
-  rows of every ``[.., F]`` derivative and of ``dx``, and adds its share to
-  the three weight gradients. Differentiated whole, XLA's CPU plan of one
-  layer's backward pass held nine ``[B*T, F]`` buffers at once (the
-  elementwise values, ``d_gate``, ``d_up`` and a transposed copy of each
-  for the weight-gradient matmuls); per chunk they are a few
-  ``[models.chunking.BACKWARD_ROWS, F]`` ones. No matmul is added: the weight gradients
-  are the same products summed over chunks.
-  """
-  return _mlp_forward(x, wg, wu, wd)[0]
-
-
-def _swiglu_mlp_fwd(x, wg, wu, wd):
-  out, gate, up = _mlp_forward(x, wg, wu, wd)
-  return out, (x, wg, wu, wd, gate, up)
-
-
-def _swiglu_mlp_bwd(res, g):
-  x, wg, wu, wd, gate, up = res
-  rows = math.prod(x.shape[:-1])
-  n = row_chunks(rows)
-  split = lambda a: a.reshape(n, rows // n, a.shape[-1])
-  contract_rows = (((0,), (0,)), ((), ()))
-
-  def step(acc, chunk):
-    xc, gc, uc, gg = chunk
-    sig = jax.nn.sigmoid(gc)
-    silu = gc * sig
-    d_wd = jax.lax.dot_general(silu * uc, gg, contract_rows, preferred_element_type=jnp.float32)
-    dh = jnp.dot(gg, wd.T)
-    d_up = dh * silu
-    # silu'(g) = s + g s (1 - s) = s (1 + g (1 - s))
-    d_gate = dh * uc * (sig * (1 + gc * (1 - sig)))
-    dx = jnp.dot(d_gate, wg.T) + jnp.dot(d_up, wu.T)
-    d_wg = jax.lax.dot_general(xc, d_gate, contract_rows, preferred_element_type=jnp.float32)
-    d_wu = jax.lax.dot_general(xc, d_up, contract_rows, preferred_element_type=jnp.float32)
-    return tuple(a + d for a, d in zip(acc, (d_wg, d_wu, d_wd))), dx
-
-  init = tuple(jnp.zeros(w.shape, jnp.float32) for w in (wg, wu, wd))
-  (d_wg, d_wu, d_wd), dx = jax.lax.scan(step, init, (split(x), split(gate), split(up), split(g)))
-  return (dx.reshape(x.shape), d_wg.astype(wg.dtype), d_wu.astype(wu.dtype),
-          d_wd.astype(wd.dtype))
-
-
-swiglu_mlp.defvjp(_swiglu_mlp_fwd, _swiglu_mlp_bwd)
 
 
 class DenseKernel(Dense):
@@ -427,7 +261,7 @@ class MLP(nn.Module):
     x = x.astype(cfg.dtype)
     gate = checkpoint_name(_projection(self, cfg, cfg.mlp_dim, 'mlp/gate_proj', x, rng), 'mlpwi_0')
     up = checkpoint_name(_projection(self, cfg, cfg.mlp_dim, 'mlp/up_proj', x, rng), 'mlpwi_1')
-    hidden = gate * jax.nn.sigmoid(gate) * up   # nn.silu(gate) * up, as _swiglu_down_apply
+    hidden = gate * jax.nn.sigmoid(gate) * up   # nn.silu(gate) * up, as models.swiglu computes it
     return checkpoint_name(_projection(self, cfg, cfg.d_model, 'mlp/down_proj', hidden, rng),
                            'mlpwo')
 

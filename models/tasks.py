@@ -10,7 +10,9 @@ A :class:`Task` pairs a model config with its batch format and loss:
   token is a target: 0 on a prompt's tokens); a label counts when it is in the
   loss mask and in the same document as its input.
 * ``vit`` / ``resnet``: batches ``{'images': float32 [B, S, S, C], 'labels': int32 [B]}``;
-  classification cross-entropy, with accuracy as a metric.
+  classification cross-entropy, with accuracy as a metric. A held-out batch may add
+  ``weights`` (float32 [B]): loss and accuracy are then means over the rows weighted by it,
+  so the rows that fill up a set's last batch (weight 0) count for nothing.
 
 ``size`` is the sequence length T for the language models and the image side S for vision.
 Models whose layers keep state (ResNet's BatchNorm ``batch_stats``) return the
@@ -145,9 +147,13 @@ class Task:
     out = model.apply(variables, inputs, deterministic=not train, rngs=rngs, mutable=mutable)
     logits, new_state = out if mutable else (out, model_state)
     labels = batch['labels']
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
-    metrics = {'accuracy': jnp.mean(jnp.argmax(logits, -1) == labels)}
-    return loss, (dict(new_state), metrics)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+    hit = jnp.argmax(logits, -1) == labels
+    if 'weights' in batch:   # an --eval-data folder's batch: every image counted exactly once
+      w = batch['weights'].astype(jnp.float32)
+      total = jnp.maximum(w.sum(), 1.0)
+      return (ce * w).sum() / total, (dict(new_state), {'accuracy': (hit * w).sum() / total})
+    return ce.mean(), (dict(new_state), {'accuracy': jnp.mean(hit)})
 
   def _lm_loss(self, model: nn.Module, variables, windows, train: bool, rngs):
     """Mean next-token cross-entropy of a GPT or Llama over ``windows`` [B, T + 1].

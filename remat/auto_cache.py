@@ -23,7 +23,8 @@ from pathlib import Path
 import jax
 
 # Bump when the search or the record changes meaning: older records are then never read.
-SEARCH_VERSION = 2   # 2: the mesh is part of the key; superset pruning
+SEARCH_VERSION = 3   # 2: the mesh is part of the key; superset pruning; 3: each plan's memory,
+# impossible budgets recorded, the resolved budget in the key
 
 
 def cache_dir() -> Path:

@@ -47,6 +47,7 @@ class Target:
   description: str
   sharding: jax.sharding.Sharding | None = None
   device_memory: int | None = None
+  memory_bandwidth: float | None = None   # device memory bytes/s (the GPU target config's)
 
   @property
   def platform(self) -> str:
@@ -102,6 +103,7 @@ def get_target(name: str) -> Target:
   text = (TARGET_DIR / GPU_TARGETS[name]).read_text()
   device = topologies.get_topology_desc(platform='cuda', target_config=text,
                                         topology='1x1x1').devices[0]
-  mem = next(int(l.split(':')[1].split('#')[0]) for l in text.splitlines()
-             if l.strip().startswith('device_memory_size'))
-  return Target(name, device.device_kind, jax.sharding.SingleDeviceSharding(device), mem)
+  field = lambda key: next(int(l.split(':')[1].split('#')[0]) for l in text.splitlines()
+                           if l.strip().startswith(key))
+  return Target(name, device.device_kind, jax.sharding.SingleDeviceSharding(device),
+                field('device_memory_size'), float(field('memory_bandwidth')))

@@ -21,7 +21,7 @@ import pytest
 
 from test_refusals import visible
 from training import cli, export as export_cli, sample as sample_cli
-from training import trainer
+from training import loop
 from training.run import checkpoints as ckpt
 from training.run.loss_guard import GuardConfig, LossGuard
 from training.trainer import TrainConfig, train
@@ -124,9 +124,9 @@ def test_export_racing_the_rotation_reads_the_newer_checkpoint(run, tmp_path, ca
 def test_a_checkpoint_the_guard_did_not_check_is_not_called_good(run, tmp_path):
   out = tmp_path / 'run'
   shutil.copytree(run.out, out)
-  on = trainer._kept(LossGuard(GuardConfig()), out)
+  on = loop.kept_line(LossGuard(GuardConfig()), out)
   assert 'checkpoint 4 in' in on and 'is the last good one' in on
-  off = trainer._kept(LossGuard(GuardConfig(factor=float('inf'))), out)
+  off = loop.kept_line(LossGuard(GuardConfig(factor=float('inf'))), out)
   assert 'is the last good one' not in off
   assert 'with the loss guard off (--spike-factor inf) it may hold a blown-up state' in off
 

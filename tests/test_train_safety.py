@@ -28,7 +28,7 @@ from conftest import DEFAULT_EMITTERS
 from models.gpt import GPT, GPTConfig
 from training.run import checkpoints as ckpt
 from training import cli
-from training.run import resume_check, rundir
+from training.run import record_check, resume_check, rundir
 from training.run.loss_guard import GuardConfig, LossGuard
 from training.step import train_step as st
 from training import trainer
@@ -460,11 +460,11 @@ def test_record_from_before_a_new_config_field_still_resumes(base, tmp_path, mon
   named = load_config('tiny')
   older = {**meta, 'model': {k: v for k, v in meta['model'].items() if k != 'attention'}}
   monkeypatch.setattr(ckpt, 'read_meta', lambda out: (step, older))
-  assert trainer._check_record(cfg, named, Path(cfg.out)) == (step, {})
+  assert record_check.check_record(cfg, named, Path(cfg.out)) == (step, {})
   reshaped = {**meta, 'model': {**meta['model'], 'd_model': 64}}
   monkeypatch.setattr(ckpt, 'read_meta', lambda out: (step, reshaped))
   with pytest.raises(trainer.RunError, match='config tiny has changed shape'):
-    trainer._check_record(cfg, named, Path(cfg.out))
+    record_check.check_record(cfg, named, Path(cfg.out))
 
 
 def test_resume_at_the_last_step_has_nothing_to_do(base, tmp_path, capsys):

@@ -2,10 +2,11 @@
 
 The entry points are here; what they use lives in three folders, by concern:
 
-- :mod:`training.cli` (``train.py``'s flags) and :mod:`training.trainer` (the loop: memory
-  line, steps, evaluation, metrics, checkpoints); :mod:`training.export` (``python -m
-  training.export``: a run to a Hugging Face folder) and :mod:`training.sample` (``python -m
-  training.sample``: a text run continues a prompt);
+- :mod:`training.cli` (``train.py``'s flags), :mod:`training.trainer` (the run: checks, data,
+  state, the compiled step, the memory line) and :mod:`training.loop` (its steps, evaluation,
+  metrics and checkpoints); :mod:`training.export` (``export.py``: a run
+  to a Hugging Face folder) and :mod:`training.sample` (``sample.py``: a text run continues a
+  prompt), whose scripts beside ``train.py`` run them from any folder;
 - :mod:`training.data`: what a run trains on (bytes, tokenized and packed ``.jsonl`` or text,
   procedural shapes, image folders);
 - :mod:`training.run`: a run's settings and its files on disk, and what keeps them trustworthy

@@ -7,6 +7,7 @@ import dataclasses
 import sys
 
 from configs import DEFAULT_CONFIG, config_names
+from remat.auto_budget import is_auto
 from remat.layout import LAYOUTS
 from remat.policies import PolicyError, list_policies
 from remat.targets import prefer_cpu_without_gpu
@@ -23,7 +24,8 @@ _FLAGS = {  # flag -> (type, help); defaults come from the named config, then Tr
     'batch_size': (int, 'sequences or images per step'),
     'grad_accum': (int, 'gradient accumulation: the batch in K microbatches of batch-size / K, '
                         'one update from their float32 gradient sums (activations sized by the '
-                        'microbatch; docs/training.md)'),
+                        'microbatch; docs/training.md); under --remat=auto:BUDGET, unset: chosen '
+                        'with the policy (docs/making-a-run-fit.md)'),
     'seq_len': (int, 'gpt/llama: tokens per sequence (bytes for byte-level text), at most the '
                      'config max_len'),
     'image_size': (int, 'vit/resnet: image side in pixels (a ViT: a multiple of its patch size; '
@@ -97,9 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
                       "DIR/<class>/*.png|jpg|jpeg or DIR/train/<class>/... and DIR/val/<class>/... "
                       "(default: procedural shapes)")
   p.add_argument('--eval-data', default=None, action='append', metavar='PATH',
-                 help='gpt/llama: a .jsonl or text file (or a folder) of held-out rows, every '
-                      "row evaluated (metrics eval_<its stem>_loss, ...) beside --data's own "
-                      'held-out split; may be given several times')
+                 help='a held-out set evaluated whole beside --data\'s own held-out split '
+                      '(metrics eval_<its stem>_loss, ...; may be given several times): '
+                      'gpt/llama: a .jsonl or text file (or a folder) of rows; vit/resnet: a '
+                      "folder of class folders, DIR/<class>/*.png|jpg|jpeg, of the run's classes "
+                      '(no augmentation; eval_<stem>_accuracy too)')
   p.add_argument('--eval-generate', type=int, default=None, metavar='N',
                  help='gpt/llama: at each evaluation, greedy generation (a KV cache) on the '
                       'first N prompt/completion rows of each held-out set: exact match and '
@@ -177,6 +181,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
   values['config'] = name
   values.update(recorded)
   values.update(flags)
+  # Under --remat=auto:BUDGET the microbatches are a lever the search chooses, unless given.
+  values['grad_accum_search'] = is_auto(values.get('remat') or '') and 'grad_accum' not in flags
   return TrainConfig(**values)
 
 

@@ -284,8 +284,11 @@ def parse_size(text: str) -> int:
   return int(value * units[unit])
 
 
-def main(argv=None) -> int:
-  p = OneLineParser(prog='python -m training.export',
+def main(argv=None, prog: str = 'python -m training.export') -> int:
+  """The command line; ``prog``: the command's name in the usage line and at the start of every
+  message (without ``python -m``); the script ``export.py`` passes its own, as train.py does."""
+  name = prog.removeprefix('python -m ')
+  p = OneLineParser(prog=prog,
                     description="Write a run's latest checkpoint as a Hugging Face "
                                 'save_pretrained folder.')
   p.add_argument('run_dir', metavar='RUN_DIR', help="a train.py run's --out folder")
@@ -311,12 +314,13 @@ def main(argv=None) -> int:
     prefer_cpu_without_gpu()
     from training.run.saved_run import RunReadError
     export(args.run_dir, args.out_dir, args.dtype, args.max_shard_size, which=args.checkpoint,
-           adapter=args.adapter, base_from=args.base)
+           adapter=args.adapter, base_from=args.base,
+           warn=lambda m: print(f'{name}: warning: {m}', file=sys.stderr))
   except (ExportError, RunReadError, ValueError) as e:
-    print(f'training.export: error: {e}', file=sys.stderr)
+    print(f'{name}: error: {e}', file=sys.stderr)
     return 2
   except KeyboardInterrupt:   # the folder is written under a temporary name: nothing is left
-    print('training.export: interrupted; nothing was exported', file=sys.stderr)
+    print(f'{name}: interrupted; nothing was exported', file=sys.stderr)
     return 130
   return 0
 

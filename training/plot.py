@@ -79,8 +79,9 @@ def plot(run_dir, out=None) -> Path:
   return target
 
 
-def main(argv=None) -> int:
-  p = OneLineParser(prog='python -m training.plot',
+def main(argv=None, prog: str = 'python -m training.plot') -> int:
+  name = prog.removeprefix('python -m ')   # each error line starts with the command's name
+  p = OneLineParser(prog=prog,
                     description="Draw a run's losses, held-out metrics and learning rate to a PNG.")
   p.add_argument('run_dir', metavar='RUN_DIR', help="a train.py run's --out folder")
   p.add_argument('--out', default=None, metavar='PNG', help='where to write (default: '
@@ -89,10 +90,10 @@ def main(argv=None) -> int:
   try:
     print(plot(args.run_dir, args.out))
   except PlotError as e:
-    print(f'training.plot: error: {e}', file=sys.stderr)
+    print(f'{name}: error: {e}', file=sys.stderr)
     return 2
   except OSError as e:
-    print(f"training.plot: error: cannot write '{e.filename or args.out}': {e.strerror}",
+    print(f"{name}: error: cannot write '{e.filename or args.out}': {e.strerror}",
           file=sys.stderr)
     return 2
   return 0

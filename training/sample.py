@@ -124,8 +124,11 @@ def read_prompts(path: str) -> list[str]:
   return prompts
 
 
-def main(argv=None) -> int:
-  p = OneLineParser(prog='python -m training.sample',
+def main(argv=None, prog: str = 'python -m training.sample') -> int:
+  """The command line; ``prog``: the command's name in the usage line and at the start of every
+  message (without ``python -m``); the script ``sample.py`` passes its own, as train.py does."""
+  name = prog.removeprefix('python -m ')
+  p = OneLineParser(prog=prog,
                     description="Print a text run's continuation of a prompt.")
   p.add_argument('run_dir', metavar='RUN_DIR', help="a gpt/llama train.py run's --out folder")
   which = p.add_mutually_exclusive_group(required=True)
@@ -146,13 +149,13 @@ def main(argv=None) -> int:
                       "the run's record)")
   args = p.parse_args(argv)
   try:
-    return _sample(args)
+    return _sample(args, name)
   except KeyboardInterrupt:
-    print('training.sample: interrupted', file=sys.stderr)
+    print(f'{name}: interrupted', file=sys.stderr)
     return 130
 
 
-def _sample(args) -> int:
+def _sample(args, name: str = 'training.sample') -> int:
   from remat.targets import prefer_cpu_without_gpu
   prefer_cpu_without_gpu()
   from training.data.text_source import run_tokenizer
@@ -164,7 +167,7 @@ def _sample(args) -> int:
     if not (args.temperature >= 0 and np.isfinite(args.temperature)):
       raise SampleError(f'--temperature must be a finite number >= 0, got {args.temperature}')
     check_seed(args.seed)
-    run = load_run(args.run_dir, lambda m: print(f'training.sample: warning: {m}',
+    run = load_run(args.run_dir, lambda m: print(f'{name}: warning: {m}',
                                                  file=sys.stderr), args.checkpoint,
                    base_from=args.base)
     if run.task.is_vision:
@@ -190,7 +193,7 @@ def _sample(args) -> int:
           outs += [generate(run, tokenizer, t, args.max_new_tokens, args.temperature,
                             args.seed + i + j) for j, t in enumerate(texts[i:i + PROMPT_BATCH])]
   except (SampleError, RunReadError, BoundsError, ValueError) as e:
-    print(f'training.sample: error: {e}', file=sys.stderr)
+    print(f'{name}: error: {e}', file=sys.stderr)
     return 2
   if args.prompts is None:
     print(tokenizer.decode(outs[0]))

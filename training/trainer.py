@@ -1,25 +1,23 @@
-"""The training run: memory line, loop, metrics and checkpoints (settings: :mod:`training.run.settings`)."""
+"""The training run: checks, data, model state, the compiled step and the run folder, then the loop.
+
+Settings: :mod:`training.run.settings`; the step loop: :mod:`training.loop`; a resume's
+checks against the run's record: :mod:`training.run.record_check`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from tqdm import tqdm
 
-from configs import NamedConfig
 from models.tasks import Task
 from remat.memory import MemoryStats, compiled_memory, format_bytes
 from remat.policies import Policy, get_policy
-from training.data.text_source import HF_CONFIG_PREFIX, byte_stream, open_text, tokenizer_for_run
+from training.data.text_source import HF_CONFIG_PREFIX, open_text
 from models.lora import params as lora_params
 from training.run import base as lora_base
 from training.run import best as best_lib
@@ -29,6 +27,8 @@ from training.run import rundir
 from training.run import tensorboard
 from training.run import tokenizer_copy
 from training.run.loss_guard import GuardConfig, LossGuard
+from training.loop import disk_full_line, run_loop
+from training.run.record_check import check_lora, check_record
 from training.run.settings import (  # noqa: F401  (the run's settings, re-exported for callers)
     DivergedError, RunError, TrainConfig, default_config, matching_config,
     resolve)
@@ -99,14 +99,14 @@ def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
   # adapters' settings and load the base they trained on, checked before the folder is touched.
   meta = read_meta(out) if cfg.resume else None
   if meta is not None:
-    _check_lora(meta, named, out)
+    check_lora(meta, named, out)
   base_rec = None
   if lora is not None:
     base_rec = lora_base.record(cfg.init_from, cfg.seed)
     if meta is not None:
       lora_base.check(meta.get('base'), base_rec, out)
   if out.is_dir():   # the run folder's checks, read-only, before data is tokenized or decoded
-    _check_record(cfg, named, out)   # (again under the lock, which a refusal never needs)
+    check_record(cfg, named, out)   # (again under the lock, which a refusal never needs)
   pretrained = None
   if cfg.init_from and (not cfg.resume or lora is not None):
     from models.hf.finetune import load_pretrained
@@ -129,8 +129,10 @@ def train(cfg: TrainConfig, log=print, warn=_warn) -> list[dict]:
   auto_choice = None
   if policy is None:
     from training.step.autoremat import choose_for_run
-    auto_choice = choose_for_run(cfg, named, task, size, log, place, _data_batch(task, data[1]))
+    auto_choice, microbatches = choose_for_run(cfg, named, task, size, log, place,
+                                               _data_batch(task, data[1]))
     policy = get_policy(auto_choice.spec, num_layers=task.num_layers)
+    cfg = dataclasses.replace(cfg, grad_accum=microbatches)
   try:
     out.mkdir(parents=True, exist_ok=True)
   except OSError as e:
@@ -155,94 +157,6 @@ def _check_microbatches(cfg: TrainConfig, place: meshlib.Placement):
     raise RunError(str(e)) from None
 
 
-def _check_record(cfg: TrainConfig, named: NamedConfig, out: Path) -> tuple[int | None, dict]:
-  """Checks the settings against the newest checkpoint's record.
-
-  Runs before anything is compiled, restored or written, so a wrong flag costs nothing and
-  changes nothing. ``--restart`` is not checked here: it sets the run's files aside.
-
-  Returns:
-    (the newest checkpoint's step, None if there is none; the compared
-    settings that changed, all allowed by ``--allow-changed``).
-  """
-  if cfg.restart:
-    return None, {}
-  saved = ckpt.steps(out)
-  held = rundir.history(out, rundir.read_record(out))
-  if not cfg.resume and (saved or held):
-    raise RunError(f'{out} already holds a run ({f"checkpoint {saved[0]}" if saved else held}); '
-                   'pass --resume to continue it, --restart to start it over (its files move to '
-                   f'{out / rundir.PREVIOUS_NAME}/), or --out for a new run')
-  if not saved:
-    if held:  # every checkpoint is gone: a resume must not quietly become a new run
-      raise RunError(f'--resume: no checkpoint left in {out / "checkpoints"} although {held}; '
-                     f'damaged ones are kept in {out / rundir.DAMAGED_NAME}; pass --restart to '
-                     f'start the run over on purpose (its files move to '
-                     f'{out / rundir.PREVIOUS_NAME}/), or --out for a new run')
-    return None, {}
-  got = ckpt.read_meta(out)
-  if got is None:
-    return saved[0], {}  # no readable record: restore reports each checkpoint's problem
-  step, meta = got
-  if not Task(named.model).is_vision:  # before the shape: another tokenizer changes the vocabulary
-    tokenizer_copy.check(cfg, out, meta.get('train', {}))
-  for what, was, now in (('config', meta.get('config'), named.name),
-                         ('model', meta.get('arch'), named.arch)):
-    if was != now:
-      raise RunError(f'--resume: {out} was trained with --{what} {was}, not {now}; drop '
-                     f'--{what} (or pass --{what} {was}), or pass another --out for a new run')
-  changed = resume_check.check(
-      resume_check.changes(meta.get('train', {}), dataclasses.asdict(cfg),
-                           _defaults(TrainConfig), Task(named.model).is_vision),
-      resume_check.parse_allowed(cfg.allow_changed), out)
-  # The record went through JSON, which turns tuples (a ResNet's stage widths) into lists; a
-  # field added to the config after the run was saved reads as its default (float32 for dtype).
-  # The dtype is not shape: checked on its own.
-  was = json.loads(json.dumps({**_defaults(type(named.model)), **(meta.get('model') or {})}))
-  now = json.loads(json.dumps(dataclasses.asdict(named.model)))
-  was.pop('lora', None), now.pop('lora', None)   # compared by _check_lora
-  was_dtype, now_dtype = was.pop('dtype', 'float32'), now.pop('dtype')
-  if was != now:
-    raise RunError(f'--resume: config {named.name} has changed shape since {out} was saved; '
-                   'restore the config file, or pass another --out for a new run')
-  if was_dtype != now_dtype:
-    raise RunError(f'--resume: {out} was trained with --dtype {was_dtype}, not {now_dtype}; drop '
-                   f'--dtype (or pass --dtype {was_dtype}), or pass another --out for a new run')
-  if step > cfg.steps:
-    raise RunError(f'--resume: {out} is at step {step}, past --steps {cfg.steps}; pass --steps '
-                   f'above {step} to train further')
-  return step, changed
-
-
-def _check_lora(meta: dict, named: NamedConfig, out: Path):
-  """Raises a one-line RunError if the run in ``out`` had other adapters (or none)."""
-  was = (meta.get('model') or {}).get('lora')
-  now = json.loads(json.dumps(dataclasses.asdict(named.model))).get('lora')
-  if was != now:   # adapters are what such a checkpoint holds: no flag changes them
-    raise RunError(f'--resume: {out} was trained {_lora_words(was)}, not {_lora_words(now)}; '
-                   'drop the --lora and --quantize flags to continue it as it was, or pass '
-                   'another --out for a new run')
-
-
-def _lora_words(spec: dict | None) -> str:
-  """'without --lora' or 'with --lora 8 --lora-alpha 16 ... --quantize nf4', from a record."""
-  if not spec:
-    return 'without --lora'
-  words = [f"--lora {spec['rank']}", f"--lora-alpha {spec['alpha']:g}"]
-  if spec.get('dropout'):
-    words.append(f"--lora-dropout {spec['dropout']:g}")
-  if spec.get('targets'):
-    words.append(f"--lora-targets {','.join(spec['targets'])}")
-  if spec.get('quantize'):
-    words.append(f"--quantize {spec['quantize']}")
-  return 'with ' + ' '.join(words)
-
-
-def _defaults(config_cls) -> dict:
-  return {f.name: f.default for f in dataclasses.fields(config_cls)
-          if f.default is not dataclasses.MISSING}
-
-
 # Config fields that change how a model computes (memory, time, rounding), not its weights.
 NOT_RECORDED = ('resume', 'restart', 'allow_changed')
 
@@ -252,7 +166,7 @@ def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
                   auto_choice=None, base_rec=None) -> list[dict]:
   out = cfg.out_dir
   event = 'start'
-  saved_step, changed = _check_record(cfg, named, out)   # checks only: nothing written yet
+  saved_step, changed = check_record(cfg, named, out)   # checks only: nothing written yet
   if cfg.restart and place.is_primary:
     moved = rundir.set_previous_aside(out)
     if moved is not None:
@@ -356,9 +270,9 @@ def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
                  else meshlib.NullMetrics())
       mngr = ckpt.manager(out, cfg.save_every, writer=True)
     except OSError as e:
-      raise rundir.DiskFullError(_disk_full_line(e, out)) if rundir.is_disk_full(e) else e
+      raise rundir.DiskFullError(disk_full_line(e, out)) if rundir.is_disk_full(e) else e
     try:
-      rows = _loop(cfg, task, size, policy, step_fn, state, batch_at, held_out, model, meta,
+      rows = run_loop(cfg, task, size, policy, step_fn, state, batch_at, held_out, model, meta,
                    metrics,
                    mngr, log, warn, place, guard, record)
     finally:
@@ -367,7 +281,7 @@ def _train_locked(cfg, named, task, size, policy, pretrained, data, log, warn,
   except (OSError, rundir.DiskFullError) as e:
     if not rundir.is_disk_full(e):
       raise
-    raise rundir.DiskFullError(_disk_full_line(e, out)) from None
+    raise rundir.DiskFullError(disk_full_line(e, out)) from None
   return rows
 
 
@@ -386,167 +300,8 @@ def _claim(cfg: TrainConfig, out: Path, lock: rundir.RunLock, vision: bool, fres
       tokenizer_copy.write(cfg, out, fresh)   # export and sampling read the run's own copy
   except OSError as e:
     if rundir.is_disk_full(e):
-      raise rundir.DiskFullError(_disk_full_line(e, out)) from None
+      raise rundir.DiskFullError(disk_full_line(e, out)) from None
     raise
-
-
-def _disk_full_line(e: BaseException, out: Path) -> str:
-  """One line: which path is full, and which checkpoint is intact."""
-  what = None
-  while e is not None and what is None:
-    if isinstance(e, rundir.DiskFullError):
-      what = str(e)
-    elif isinstance(e, OSError) and e.filename:
-      what = f'no space left on device writing {e.filename}'
-    e = e.__cause__ or e.__context__
-  kept = ckpt.steps(out)
-  intact = (f'checkpoint {kept[0]} in {ckpt.folder(out)} is intact: free space there and rerun '
-            'with --resume' if kept else 'no checkpoint was written yet: free space there and '
-            'rerun')
-  return f"{what or f'no space left on device in {out}'}; {intact}"
-
-
-def _loop(cfg, task, size, policy, step_fn, state, batch_at, held_out, model, meta, metrics, mngr,
-          log, warn, place, guard: LossGuard, record: dict | None) -> list[dict]:
-  out = cfg.out_dir
-  eval_step = st.make_eval_step(model)
-  # Weights from the host's copy of each batch, before placing.
-  sets = [(h, [place.put_batch(b) for b in h.batches], [hev.counted(b) for b in h.batches])
-          for h in held_out]
-  tokenizer = None if task.is_vision else tokenizer_for_run(cfg)[0]
-  generations = out / 'generations.jsonl' if place.is_primary else None
-  rows = []
-  start = int(state.step)
-  lr_at = st.LrTable(st.lr_schedule(cfg.lr, cfg.steps, cfg.warmup_steps))   # each update's rate
-  board = tensorboard.Writer(out) if cfg.tensorboard and place.is_primary else None
-  keeper = (best_lib.Keeper(out, cfg.keep_best, cfg.early_stop, rundir.kept_rows(out, start))
-            if cfg.keep_best else None)
-  bad_in_row = 0
-  # Throughput unit: tokens (bytes) for GPT, images for vision.
-  unit, per_step = ('img', cfg.batch_size) if task.is_vision else ('tok', cfg.batch_size * size)
-  with tqdm(total=cfg.steps, initial=start, desc=f'train {policy.spec}', unit='step',
-            file=sys.stdout, dynamic_ncols=True, mininterval=0.5,
-            disable=not place.is_primary) as bar:
-    t0 = time.perf_counter()
-    for step in range(start, cfg.steps):
-      state, stats = step_fn(state, place.put_batch(batch_at(step)))
-      loss, grad_norm = (float(x) for x in np.asarray(stats))  # waits: the clock is honest
-      t1 = time.perf_counter()
-      finite = math.isfinite(loss) and math.isfinite(grad_norm)
-      row = {'step': step + 1, 'loss': round(loss, 5), 'grad_norm': round(grad_norm, 5),
-             'lr': float(f'{lr_at(step):.6g}'),
-             f'{"images" if task.is_vision else "tokens"}_per_s': round(per_step / (t1 - t0), 1),
-             'policy': policy.spec, **({} if task.is_vision else {'tokens': (step + 1) * per_step})}
-      bad_in_row = 0 if finite else bad_in_row + 1
-      spike = not guard.observe(step + 1, loss) and finite
-      if not finite:
-        row['skipped'] = bad_in_row <= cfg.skip_nonfinite  # else the run stops at this row
-      else:
-        if spike:
-          row['spike'] = True
-        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-          row.update(hev.evaluate_sets(cfg.eval_generate, task, eval_step, state, sets,
-                                       tokenizer, step + 1, generations))
-      metrics.write(row)
-      if board is not None:
-        board.write(row)
-      rows.append(row)
-      if keeper is not None and cfg.keep_best in row:
-        with ckpt.deferred_interrupts(_interrupted_again):
-          keeper.after_eval(step + 1, row, state, meta, metrics)
-      if bad_in_row > cfg.skip_nonfinite:
-        metrics.sync()
-        raise DivergedError(_diverged(step + 1, loss, grad_norm, cfg) + _kept(guard, out))
-      if guard.stop:
-        metrics.sync()
-        raise DivergedError(guard.stop_line(step + 1, loss) + _kept(guard, out))
-      if bad_in_row:
-        warn(f'step {step + 1}: loss {loss:g}, gradient norm {grad_norm:g}: not finite; update '
-             f'skipped ({bad_in_row} in a row, --skip-nonfinite {cfg.skip_nonfinite})')
-      if spike:
-        warn(guard.spike_line(step + 1, loss))
-      bar.set_postfix(loss=f'{loss:.3f}', val=row.get('val_loss', '-'),
-                      **{f'{unit}_s': f'{per_step / (t1 - t0):.0f}'})
-      bar.update()
-      stopped = keeper is not None and keeper.best.stop   # --early-stop: the last step
-      last = step + 1 == cfg.steps or stopped
-      # A checkpoint is written only after a healthy step (training/run/loss_guard.py); other saves
-      # wait for the next. The final state's held-out loss, computed with it, may vouch for it.
-      due = last or mngr.should_save(step + 1)
-      if due and last and not (guard.last_healthy or guard.healthy(row.get('val_loss'))):
-        metrics.sync()
-        raise DivergedError(f'step {step + 1}, the last: loss {loss:g} is not healthy; the final '
-                            f'state was not saved{_kept(guard, out)}')
-      if due and (guard.last_healthy or last):
-        metrics.sync()  # rows first: a checkpoint never holds a step whose row can be lost
-        with ckpt.deferred_interrupts(_interrupted_again):  # a save completes, then an interrupt
-          try:
-            ckpt.save(mngr, state, meta, force=last)
-          except ckpt.CheckpointError as e:
-            raise DivergedError(f'{e}{_kept(guard, out)}') from None
-          guard.mark(step + 1)
-          if record is not None:
-            rundir.write_record(out, {**record, 'saved': step + 1})
-      t0 = time.perf_counter()
-      if stopped:
-        log(keeper.best.stop_line(step + 1))
-        break
-  mngr.wait_until_finished()
-  if keeper is not None:
-    keeper.close()
-  if board is not None:
-    board.close()
-  problem = guard.end_problem() if rows else None
-  if problem:
-    raise DivergedError(problem)
-  if rows and 'val_loss' in rows[-1]:
-    last = rows[-1]
-    what = (f"val loss {last['val_loss']:.3f}, val accuracy {last['val_accuracy']:.1%}"
-            if task.is_vision else f"val loss {last['val_loss']:.3f} nats/"
-            f"{'byte' if tokenizer_for_run(cfg)[0].name == 'bytes' else 'token'}" + (
-                '' if byte_stream(cfg) else ' (the mean over the tokens the loss counts, '
-                'completions, of whole held-out rows)'))
-    log(f"done: step {last['step']}, train loss {last['loss']:.3f}, {what}; "
-        f"metrics and checkpoints in {out}")
-  return rows
-
-
-def _interrupted_again():
-  """A second interrupt during a save: one line, and exit at once. The interpreter's teardown
-  would let orbax's writer threads report the abandoned save (421 lines); the rows are on disk
-  (synced before the save) and the save's temporary folder is removed by the next run."""
-  sys.stdout.flush()
-  print('train.py: interrupted again during a save; the save was abandoned (its temporary '
-        'folder is no checkpoint); rerun with --resume to continue from the last checkpoint',
-        file=sys.stderr, flush=True)
-  os._exit(130)
-
-
-def _kept(guard: LossGuard, out: Path) -> str:
-  """The end of a stop's error line: the suspect checkpoint set aside, the last good one named."""
-  note = ''
-  suspect = guard.suspect
-  if suspect is not None and suspect in ckpt.steps(out):
-    note = (f'; checkpoint {suspect} was set aside to {ckpt.set_aside(out, suspect)} (no healthy '
-            'step followed it)')
-  kept = ckpt.steps(out)
-  if not kept:
-    return (f'{note}; no checkpoint passed the guard: lower --lr (or --grad-clip) and start over '
-            'with --restart')
-  if not math.isfinite(guard.config.factor):   # nothing vouched for it: do not call it good
-    return (f'{note}; checkpoint {kept[0]} in {out} is the newest, but with the loss guard off '
-            '(--spike-factor inf) it may hold a blown-up state: check its losses in '
-            'metrics.jsonl before continuing from it with --resume and a lower --lr '
-            '(--allow-changed lr)')
-  return (f'{note}; checkpoint {kept[0]} in {out} is the last good one: continue from it with '
-          '--resume and a lower --lr (--allow-changed lr) or --grad-clip (--allow-changed grad_clip)')
-
-
-def _diverged(step: int, loss: float, grad_norm: float, cfg) -> str:
-  skipped = (f' after {cfg.skip_nonfinite} skipped steps in a row (--skip-nonfinite)'
-             if cfg.skip_nonfinite else '')
-  return (f'diverged at step {step}: loss {loss:g}, gradient norm {grad_norm:g}{skipped}; '
-          'stopped without saving')
 
 
 def _data_batch(task: Task, val):
@@ -563,9 +318,12 @@ def _data(cfg: TrainConfig, task: Task, size: int, log, warn, place: meshlib.Pla
   sets evaluated: :class:`training.data.held_out.HeldOutSet`); logs the data."""
   if task.is_vision:
     from training.data.held_out import HeldOutSet
+    from training.data.held_out_images import eval_image_sets
     from training.data.vision_source import open_vision_data
-    batch_at, val, meta = open_vision_data(cfg, task, size, log, place.local_rows(cfg.batch_size))
-    return batch_at, val, meta, [HeldOutSet('val', val)]
+    rows = place.local_rows(cfg.batch_size)
+    batch_at, val, meta = open_vision_data(cfg, task, size, log, rows)
+    return batch_at, val, meta, [HeldOutSet('val', val)] + eval_image_sets(
+        cfg, task, size, meta, log, warn, rows)
   return open_text(cfg, size, log, place.local_rows(cfg.batch_size), warn)
 
 

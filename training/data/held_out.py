@@ -17,6 +17,7 @@ import numpy as np
 from training.data import DataError
 from training.data import row_packing
 from training.data import token_cache
+from training.data.image_folder import IMAGE_SUFFIXES
 from training.data.packed_text import Split, _build, _files, _open_split, cache_root
 
 
@@ -94,6 +95,10 @@ def load_held_out(path: str, tokenizer, seq_len: int, cache: Path | None = None,
     raise DataError(str(e).replace('--data', '--eval-data', 1)) from None
   if not files:
     raise DataError(f"--eval-data '{source}' holds no files")
+  if all(f.suffix.lower() in IMAGE_SUFFIXES for f in files):   # else read as bytes of text
+    raise DataError(f"--eval-data '{source}' holds images ({files[0].suffix} files); a gpt or "
+                    'llama run evaluates text, a .jsonl or text file or a folder of them (an image '
+                    'folder is for a vit or resnet run)')
   capacity = seq_len + 1
   opened = {}
 

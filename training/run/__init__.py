@@ -9,6 +9,7 @@
   failed save off the terminal);
 - :mod:`training.run.loss_guard`: keeps a blown-up (but finite) state out of the checkpoints;
 - :mod:`training.run.resume_check`: which settings a ``--resume`` must keep;
+  :mod:`training.run.record_check`: a resume's checks against the run's record;
 - :mod:`training.run.saved_run`: a finished or stopped run read back (for export and sampling).
 
 What each guarantees: docs/training-safety.md.

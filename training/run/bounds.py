@@ -30,7 +30,7 @@ MAX_SEED = 2**32 - 1    # what PRNGKey keeps without jax_enable_x64
 # Bytes per row of a language-model batch: tokens, segment ids, positions and loss mask,
 # int32 each, per token of a window of seq_len + 1.
 LM_BYTES_PER_TOKEN = 16
-LM_ONLY = ('seq_len', 'tokenizer', 'eval_data', 'eval_generate')
+LM_ONLY = ('seq_len', 'tokenizer', 'eval_generate')  # --eval-data: text or images
 VISION_ONLY = ('image_size', 'data_workers', 'augment', 'crop_scale')
 
 

@@ -7,7 +7,7 @@ source, ...) is one line here. The tokenizer is compared by the digest of its
 files against the run's copy (:mod:`training.run.tokenizer_copy`), and cannot
 be changed: the ids would mean other text. ``--config``, ``--model``, the
 config's model shape and ``--dtype`` are checked by
-:func:`training.trainer._check_record` (they name what the checkpoint *is*;
+:func:`training.run.record_check.check_record` (they name what the checkpoint *is*;
 no flag changes them).
 
 Not compared, on purpose: ``--steps`` (raising it is how a run is extended; the

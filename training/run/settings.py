@@ -71,6 +71,8 @@ class TrainConfig:
   tensorboard: bool = False  # --tensorboard: scalars in <out>/tensorboard (tensorboardX)
   tokenizer: str | None = None  # None: --init-from's tokenizer, else bytes (training/data/tokenizer.py)
   grad_accum: int = 1  # --grad-accum K: microbatches per step (training/step/accumulate.py)
+  # --remat=auto:BUDGET without --grad-accum: K is searched with the policy (remat.auto_levers)
+  grad_accum_search: bool = False
   offload_optimizer: bool = False  # optimizer state in host memory (training/step/offload.py)
   eval_data: tuple[str, ...] = ()  # --eval-data files evaluated beside --data's held-out split
   eval_generate: int = 0  # --eval-generate N: greedy generation on N held-out prompts per set

@@ -44,8 +44,17 @@ def local_budget(text: str) -> Budget:
   return budget
 
 
-def choose_for_run(cfg, named, task: Task, size: int, log, place=None, batch=None) -> auto.Choice:
+def choose_for_run(cfg, named, task: Task, size: int, log, place=None,
+                   batch=None) -> tuple[auto.Choice, int]:
   """Runs (or reads from the cache) the search for this run's train step.
+
+  With ``cfg.grad_accum_search`` (``--remat=auto:BUDGET`` without
+  ``--grad-accum``) the microbatches are searched with the policy
+  (:func:`remat.auto_levers.choose_levers`: every K that divides the batch, and
+  its microbatches over the mesh's batch shards), and the fastest plan that fits
+  by its cost model is taken; otherwise the policy alone at ``cfg.grad_accum``.
+  The optimizer's placement is ``--offload-optimizer``'s, not searched: on the
+  CPU backend host and device memory are one.
 
   Args:
     cfg: the :class:`training.trainer.TrainConfig` (``cfg.remat`` is the auto spec).
@@ -56,6 +65,9 @@ def choose_for_run(cfg, named, task: Task, size: int, log, place=None, batch=Non
     place: the run's :class:`training.step.mesh.Placement` (None or no mesh: one device).
     batch: the run's batch (ShapeDtypeStructs), when it is not the task's plain one (packed
       text carries segment ids and positions, and attends within documents).
+
+  Returns:
+    (the policy search's answer, the microbatches K to train with).
   """
   budget = local_budget(cfg.remat)
   tx = st.make_optimizer(cfg.lr, cfg.steps, cfg.warmup_steps, cfg.weight_decay, cfg.grad_clip)
@@ -63,16 +75,15 @@ def choose_for_run(cfg, named, task: Task, size: int, log, place=None, batch=Non
   if batch is not None:
     args = (args[0], batch)
 
-  def build(policy):
+  def build(policy, microbatches=cfg.grad_accum, offload=False):
     # With --grad-accum the loss's batch is one microbatch: the residuals the step keeps at a time.
     return st.measured_step(task.model(policy), tx, cfg.seed, guard=True,
-                            microbatches=cfg.grad_accum)
+                            microbatches=microbatches)
 
   key = {'config': named.name, 'model': dataclasses.asdict(named.model), 'batch_size':
          cfg.batch_size, 'size': size, 'optimizer': [cfg.lr, cfg.steps, cfg.warmup_steps,
                                                      cfg.weight_decay, cfg.grad_clip],
          'seed': cfg.seed, 'guard': True, 'source': source_hash(),
-         **({'grad_accum': cfg.grad_accum} if cfg.grad_accum > 1 else {}),
          'batch': str(jax.tree_util.tree_map(lambda a: (a.shape, str(a.dtype)), args[1]))}
   shardings = None
   if place is not None and place.mesh is not None:
@@ -80,10 +91,34 @@ def choose_for_run(cfg, named, task: Task, size: int, log, place=None, batch=Non
     state_sh = place.state_shardings(state)
     shardings = ((state_sh, place.batch_shardings(batch)), (state_sh, place.replicated()))
     key['mesh'] = cfg.mesh
+  if cfg.grad_accum_search:
+    from remat.auto_levers import choose_levers
+    from training.step.accumulate import AccumError, check
+    shards = place.batch_shards if place is not None else 1
+
+    def splits(k: int) -> bool:
+      try:
+        check(k, cfg.batch_size, shards)
+        return True
+      except AccumError:
+        return False
+    ks = [k for k in range(1, cfg.batch_size + 1) if splits(k)]
+    weights = sum(a.size * a.dtype.itemsize
+                  for a in jax.tree_util.tree_leaves((args[0].params, args[0].frozen)))
+    levers = choose_levers(build, *args, budget=budget, batch_size=cfg.batch_size,
+                           target='cpu', num_layers=task.num_layers, microbatches=ks,
+                           weight_bytes=weights, cache_key=key, log=log, shardings=shardings)
+    for line in levers.table().splitlines():
+      log(f'remat: {line}')
+    log(f'remat: {levers.choice.summary()}')   # the policy search at the chosen microbatches
+    log(f'remat: levers: {levers.summary()}')
+    return levers.choice, levers.microbatches
+  if cfg.grad_accum > 1:
+    key['grad_accum'] = cfg.grad_accum
   choice = auto.choose(build, *args, budget=budget, target='cpu', num_layers=task.num_layers,
                        cache_key=key, log=log, shardings=shardings)
   log(f'remat: {choice.summary()}')
-  return choice
+  return choice, cfg.grad_accum
 
 
 def source_files() -> list[Path]:

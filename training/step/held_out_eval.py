@@ -2,7 +2,8 @@
 generation on N of its prompts.
 
 A run evaluates its ``--data``'s held-out split (metrics ``val_*``) and each
-``--eval-data`` file (``eval_<name>_*``, the name being the file's stem). The
+``--eval-data`` file or image folder (``eval_<name>_*``, the name being its stem;
+an image folder: :mod:`training.data.held_out_images`). The
 loss of a set is the mean over the tokens its loss counts (for prompt/completion
 rows, the completion and its end-of-text token) of every evaluated row: each
 batch's mean weighted by its count (:func:`counted`).
@@ -31,12 +32,15 @@ import numpy as np
 
 def counted(batch) -> float:
   """How many targets a held-out batch's loss is a mean over: for packed windows the labels in
-  the loss mask and in their input's row (:meth:`models.tasks.Task._lm_loss`); 1 per image, or
-  per label of a byte window."""
+  the loss mask and in their input's row (:meth:`models.tasks.Task._lm_loss`); for an
+  ``--eval-data`` image folder's batch its images (the rows of weight 1); else 1 (each batch of
+  the validation split's images, or of byte windows, counts the same)."""
   if isinstance(batch, dict) and 'loss_mask' in batch:
     segs = np.asarray(batch['segment_ids'])
     targets = np.asarray(batch['loss_mask'])[:, 1:] > 0
     return float((targets & (segs[:, 1:] == segs[:, :-1])).sum())
+  if isinstance(batch, dict) and 'weights' in batch:
+    return float(np.asarray(batch['weights']).sum())
   return 1.0
 
 
