@@ -12,17 +12,10 @@ from __future__ import annotations
 
 import sys
 
-import jax
-
 from bench import zoo
 from remat.auto_budget import parse_budget
 from remat.auto_levers import choose_levers
-
-
-def _weight_bytes(state) -> int:
-  """Every weight a microbatch reads: the trained parameters and a frozen base (LoRA)."""
-  return sum(a.size * a.dtype.itemsize
-             for a in jax.tree_util.tree_leaves((state.params, state.frozen)))
+from training.step import train_step as st
 
 
 def refuse_combinations(args) -> None:
@@ -55,7 +48,8 @@ def levers_report(args, named, fam, size, target, header) -> dict:
   log = (lambda s: print(f'# {s}', file=sys.stderr))
   choice = choose_levers(build, state, batch, budget=budget, batch_size=args.batch_size,
                          target=target, num_layers=base.num_layers, offload=offload,
-                         weight_bytes=_weight_bytes(state), cache_key=base.cache_key(), log=log)
+                         weight_bytes=st.weight_bytes(state), cache_key=base.cache_key(),
+                         log=log)
   print(header.replace('# train step', '# train step, levers searched'))
   print(choice.table())
   print(f'# {choice.summary()}')

@@ -152,8 +152,8 @@ def choose(build: Callable, *example_args: Any, budget: str | Budget,
       raise AutoError(*said)
     if rec is not None and 'choice' in rec:
       return Choice.from_json(rec['choice'], time.perf_counter() - start)
-  search = _Search(build, example_args, target, num_layers, log, shardings, parallel)
-  search.offload_rules = offload_rules
+  search = _Search(build, example_args, target, num_layers, log, shardings, parallel,
+                   offload_rules)
   try:
     spec, nbytes, exhausted = search.run(budget, max_compiles)
     record = search.record(nbytes)

@@ -103,10 +103,13 @@ class _Search:
   """One search: memoised plans, FLOP counts and residual traces of specs."""
 
   def __init__(self, build, args, target: Target, num_layers: int | None, log: Callable,
-               shardings: tuple | None = None, parallel: int = PARALLEL):
+               shardings: tuple | None = None, parallel: int = PARALLEL,
+               offload_rules: bool | None = None):
     self.build, self.args, self.target, self.n, self.log = build, args, target, num_layers, log
     self.shardings = shardings
-    self.offload_rules = target.sharding is not None   # offload: rules only where they act
+    # offload: rules are searched only where they act (GPU targets), unless told otherwise.
+    self.offload_rules = (target.sharding is not None if offload_rules is None
+                          else offload_rules)
     self.plans: dict[str, MemoryStats] = {}
     self.pending: dict[str, concurrent.futures.Future] = {}
     self.seconds: dict[str, tuple[float, float]] = {}   # spec -> (lowering s, compile s)

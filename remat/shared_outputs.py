@@ -29,7 +29,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from remat.unrolled import inexact, zero_cotangent
+from remat.unrolled import inexact, residual_origins, zero_cotangent
 
 
 def shared_leaves(step: Callable, x, xs_0) -> dict[int, tuple[str, int]]:
@@ -92,14 +92,7 @@ def scan(step: Callable, x, xs, length: int, shares: dict[int, tuple[str, int]])
       known = ([(('c', j), a) for j, a in enumerate(jax.tree_util.tree_leaves(c)) if j in source]
                + [(('x', j), a) for j, a in enumerate(jax.tree_util.tree_leaves(xs_i))]
                + [(('k', j), a) for j, a in enumerate(jax.tree_util.tree_leaves(consts))])
-      where, kept = [], []
-      for leaf in leaves:
-        origin = next((o for o, a in known if a is leaf), None)
-        if origin is None:
-          origin = ('r', len(kept))
-          kept.append(leaf)
-        where.append(origin)
-      layout['where'] = where
+      layout['where'], kept = residual_origins(leaves, known)
       return out[0], (out[1], kept)
     x_out, (ys, kept) = jax.lax.scan(body, x, xs)
     ys_leaves = jax.tree_util.tree_leaves(ys)

@@ -66,6 +66,26 @@ class Block:
   recomputes: bool = True
 
 
+def residual_origins(leaves, known):
+  """Where each residual leaf of a VJP comes from, and the residuals of its own.
+
+  ``known`` is ``[(origin, array), ...]`` of arrays the caller holds anyway (a
+  layer's inputs, its parameters). A leaf that *is* one of them is recorded by
+  its origin and not kept again; any other is kept, recorded as ``('r', i)``.
+
+  Returns:
+    (origins, one per leaf; the leaves to keep, in ``('r', i)`` order).
+  """
+  where, mine = [], []
+  for leaf in leaves:
+    origin = next((o for o, a in known if a is leaf), None)
+    if origin is None:
+      origin = ('r', len(mine))
+      mine.append(leaf)
+    where.append(origin)
+  return where, mine
+
+
 def inexact(a) -> bool:
   """Whether ``a`` is a float or complex value (one that has a cotangent)."""
   return jnp.issubdtype(jnp.result_type(a), jnp.inexact)
@@ -187,13 +207,7 @@ def run(blocks: list[Block], x, xs: dict, counts: dict):
       leaves, tree = jax.tree_util.tree_flatten(pull)
       known = ([(('s', j), a) for j, a in enumerate(jax.tree_util.tree_leaves(view))]
                + [(('k', j), a) for j, a in enumerate(jax.tree_util.tree_leaves(consts[w]))])
-      where, mine = [], []
-      for leaf in leaves:
-        origin = next((o for o, a in known if a is leaf), None)
-        if origin is None:
-          origin = ('r', len(mine))
-          mine.append(leaf)
-        where.append(origin)
+      where, mine = residual_origins(leaves, known)
       kept.append(mine)
       layouts.append((tree, where))
       pieces.append(ys_b)

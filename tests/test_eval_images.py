@@ -12,11 +12,9 @@ import pytest
 from PIL import Image
 
 from models.tasks import Task
-from models.vit import ViTConfig
+from vision_runs import restore_vit_run
 from test_image_folder import draw, write_folder
 from training import cli
-from training.run import checkpoints as ckpt
-from training.step import train_step as st
 
 SIDE = 16
 
@@ -58,15 +56,6 @@ def run(tmp_path_factory):
   return tmp, out, rows, said.getvalue()
 
 
-def _restore(out):
-  meta = ckpt.read_meta(out)[1]
-  config = ViTConfig(**meta['model'])
-  tx = st.make_optimizer(1e-3, 10, 1, 0.0, 1.0)   # the optimizer state's shapes only
-  state, _ = st.abstract_inputs(Task(config).model('none'), tx, 1, config.image_size)
-  restored, _ = ckpt.restore(Path(out), state, warn=pytest.fail)
-  return config, restored.params, meta
-
-
 def _by_hand(folder: Path, config, params, meta):
   """(mean cross-entropy, accuracy) over every image of ``folder``, decoded here with Pillow:
   the whole (square) image resized to the run's side, normalised with the run's statistics,
@@ -96,7 +85,7 @@ def test_each_folder_is_named_and_scored_once_per_image(run, capsys):
   for r in evaluated:
     assert {'eval_heldout_loss', 'eval_heldout_accuracy', 'eval_reds_loss',
             'eval_reds_accuracy'} <= set(r)
-  config, params, meta = _restore(out)
+  config, params, meta = restore_vit_run(out)
   assert meta['data']['classes'] == ['blue_square', 'red_disk']
   assert (out / 'best').is_dir()   # an eval folder's metric is one --keep-best may name
   assert meta['train']['eval_data'] == [str(tmp / 'heldout'), str(tmp / 'reds')]

@@ -1,7 +1,6 @@
 """Fine-tuning a Hugging Face ViT on an image folder at twice its size, and taking it home."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,13 +13,11 @@ from PIL import Image  # noqa: E402
 from configs import load_config  # noqa: E402
 from models.hf.finetune import load_pretrained  # noqa: E402
 from models.tasks import Task  # noqa: E402
-from models.vit import ViTConfig  # noqa: E402
 from numerics import assert_trees_close  # noqa: E402
+from vision_runs import restore_vit_run  # noqa: E402
 from test_image_folder import write_folder as write_images  # noqa: E402
 from training import export as export_cli  # noqa: E402
 from training import cli  # noqa: E402
-from training.run import checkpoints as ckpt  # noqa: E402
-from training.step import train_step as st  # noqa: E402
 
 IMAGENET = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
 
@@ -47,16 +44,6 @@ def _run_args(hf, data, out, *more):
           f'--out={out}', '--no-memory-report', *more]
 
 
-def _restore(out):
-  """(our config, params, the run record) of the run's latest checkpoint."""
-  meta = ckpt.read_meta(out)[1]
-  config = ViTConfig(**meta['model'])
-  tx = st.make_optimizer(1e-3, 10, 1, 0.0, 1.0)  # the optimizer state's shapes only
-  state, _ = st.abstract_inputs(Task(config).model('none'), tx, 1, config.image_size)
-  restored, _ = ckpt.restore(Path(out), state, warn=pytest.fail)
-  return config, restored.params, meta
-
-
 def test_one_step_from_16_px_at_32_records_what_export_needs(hf_vit16, tmp_path, capsys):
   """The light case: the run starts from the resampled checkpoint and records its data."""
   data = write_images(tmp_path / 'imgs', {'train': 2, 'val': 1})
@@ -67,7 +54,7 @@ def test_one_step_from_16_px_at_32_records_what_export_needs(hf_vit16, tmp_path,
   assert '4x4 patch grid (16 px) to 8x8 (32 px)' in text
   assert "classifier replaced: the checkpoint's 5 classes -> 2" in text
   assert f'normalised by {hf_vit16 / "preprocessor_config.json"}' in text
-  config, params, meta = _restore(out)
+  config, params, meta = restore_vit_run(out)
   assert (config.image_size, config.num_classes) == (32, 2)
   assert meta['data'] == {'classes': ['blue_square', 'red_disk'], 'image_size': 32,
                           'image_mean': IMAGENET[0], 'image_std': IMAGENET[1]}
@@ -107,7 +94,7 @@ def test_fine_tune_at_twice_the_size_and_classify_under_transformers(hf_vit16, t
   capsys.readouterr()
   last = json.loads((out / 'metrics.jsonl').read_text().splitlines()[-1])
   assert last['val_accuracy'] >= 0.9, last
-  config, params, meta = _restore(out)
+  config, params, meta = restore_vit_run(out)
   export = tmp_path / 'export'
   assert export_cli.main([str(out), str(export)]) == 0   # the command a person runs
 

@@ -103,11 +103,10 @@ def choose_for_run(cfg, named, task: Task, size: int, log, place=None,
       except AccumError:
         return False
     ks = [k for k in range(1, cfg.batch_size + 1) if splits(k)]
-    weights = sum(a.size * a.dtype.itemsize
-                  for a in jax.tree_util.tree_leaves((args[0].params, args[0].frozen)))
     levers = choose_levers(build, *args, budget=budget, batch_size=cfg.batch_size,
                            target='cpu', num_layers=task.num_layers, microbatches=ks,
-                           weight_bytes=weights, cache_key=key, log=log, shardings=shardings)
+                           weight_bytes=st.weight_bytes(args[0]), cache_key=key, log=log,
+                           shardings=shardings)
     for line in levers.table().splitlines():
       log(f'remat: {line}')
     log(f'remat: {levers.choice.summary()}')   # the policy search at the chosen microbatches

@@ -229,6 +229,12 @@ def measured_step(model: nn.Module, tx: optax.GradientTransformation, seed: int,
                    lambda example, target: ol.compile_for_target(step, *example, offload, target))
 
 
+def weight_bytes(state: TrainState) -> int:
+  """Bytes of every weight a forward pass reads: the trained parameters and a frozen base (LoRA)."""
+  return sum(a.size * a.dtype.itemsize
+             for a in jax.tree_util.tree_leaves((state.params, state.frozen)))
+
+
 def loss_inputs(state: TrainState, batch):
   """``(params, (frozen, model_state, batch))``: the arguments of :func:`measured_step`'s loss."""
   return state.params, (state.frozen, state.model_state, batch)
