@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import models.attention as attn
+import models.blockwise_attention as blockwise
 from models.attention import attention, blockwise_attention, resolve_implementation
 from models.gpt import GPT, TAGS, GPTConfig
 from numerics import assert_trees_close
@@ -128,13 +129,14 @@ def test_blockwise_dropout_fallback_is_consistent(monkeypatch):
   # Where the dense mask's 32-bit counters do not reach (> 2**32 elements), each block pair
   # draws from its own folded key. The gradient must use the very masks of the forward pass:
   # compare with autodiff of dense softmax attention under the assembled block masks.
-  monkeypatch.setattr(attn, 'fused_bits_ok', lambda key, shape: False)
+  # Patched where _block_keep reads it: models/blockwise_attention.py.
+  monkeypatch.setattr(blockwise, 'fused_bits_ok', lambda key, shape: False)
   t, h, bq, bk, rate = 10, 2, 4, 4, 0.3
   q, k, v, w = _qkvw(1, t, h, h)
-  spec = attn._Blocks(t, bq, bk, True, rate)
+  spec = blockwise._Blocks(t, bq, bk, True, rate)
   keep = jnp.zeros((1, h, spec.nq * bq, spec.nk * bk), bool)
   for i, j in spec.pairs_by_query:
-    block = attn._block_keep(KEY, i, j, (1, h, 1, bq, bk), spec)[:, :, 0]
+    block = blockwise._block_keep(KEY, i, j, (1, h, 1, bq, bk), spec)[:, :, 0]
     keep = keep.at[:, :, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk].set(block)
   keep = keep[:, :, :t, :t]
 
@@ -225,7 +227,7 @@ def test_blockwise_in_a_layer_scan_stacks_nothing_per_block_pair():
   layer = lambda x: _blockwise(True, 0.0, 8, 8)(x, x[:, :, :2], x[:, :, :2])
   loss = lambda x: jnp.sum(jax.lax.scan(lambda c, _: (layer(c), None), x, None, length=2)[0])
   text = str(jax.make_jaxpr(jax.grad(loss))(_normal(1, 64, 4, 8)))
-  assert attn._Blocks(64, 8, 8, True, 0.0).pairs_by_query.shape == (36, 2)
+  assert blockwise._Blocks(64, 8, 8, True, 0.0).pairs_by_query.shape == (36, 2)
   per_pair = set(re.findall(r'\w+\[36,[0-9,]*\]', text)) - {'i32[36,2]'}   # the pair list itself
   assert not per_pair, per_pair
 
