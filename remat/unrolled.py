@@ -126,13 +126,31 @@ class _Items:
     return first, n, ((b.length,) if c[0] == 1 else (b.length, c[0]))
 
   def take(self, tree: dict, b: Block) -> dict:
-    """Block b's view of ``{group: stacked}``."""
+    """Block b's view of ``{group: stacked}``.
+
+    A leaf of one vector (or number) per item, a bias or a norm's scale, is read
+    at an offset XLA cannot fold to a constant, so the fusions that read it are
+    the same in every block and XLA's GPU compiler builds their kernel once
+    (the issue-34 ViT, 8 layers, ``full``, H100 plan: 9.1 -> 7.1 s of compile,
+    the plan byte for byte the same). A matrix per item stays a constant slice:
+    the GPU's matmul fusions read that in place, where they would first copy a
+    slice at a dynamic offset (the same ViT: 4.40 -> 4.53 MiB of ``temp``).
+    """
     out = {}
     for g, t in tree.items():
       first, n, lead = self.span(b, g)
       if n:
-        out[g] = jax.tree_util.tree_map(
-            lambda a: a[first:first + n].reshape(lead + a.shape[1:]), t)
+        at = None
+        def view(a):
+          nonlocal at
+          if a.ndim > 2:
+            part = a[first:first + n]
+          else:
+            if at is None:   # one offset per block and group, opaque to constant folding
+              at = jax.lax.optimization_barrier(jnp.int32(first))
+            part = jax.lax.dynamic_slice_in_dim(a, at, n)
+          return part.reshape(lead + a.shape[1:])
+        out[g] = jax.tree_util.tree_map(view, t)
     return out
 
   def flat(self, piece, b: Block, g):
