@@ -1,4 +1,4 @@
-"""Issue 34's second yardstick on the H100 plan: the stack (``layout='auto'``) against the per-block habit.
+"""Issue 34's second yardstick on the H100 and H200 plans: the stack (``layout='auto'``) against the per-block habit.
 
 The per-block habit is the untouched model with each block in ``nn.remat``
 (``nnx.remat``) under a rule's ``jax.checkpoint`` policy, as its users write it
@@ -8,7 +8,8 @@ under the same rule, and no more than the untouched model under ``none``.
 docs/own-model.md has the figures for every public model and ours; the
 diffusers U-Net aside (its stacks are two or three layers deep), the public
 models and our GPT (its yardsticks traced with :mod:`remat.layout`'s
-references) are checked here, at >= 8 layers (slow: six compiles each). Where the stack does not meet a bound yet, the ratio measured is
+references) are checked here, at >= 8 layers (slow: six compiles each; the public
+models on both plans). Where the stack does not meet a bound yet, the ratio measured is
 held so that it does not grow (docs/own-model.md says which buffers make the
 difference).
 """
@@ -32,6 +33,8 @@ BOUNDS = (('full', 'per-block:full'), ('dots', 'per-block:dots'), ('none', 'unto
 # give per-example weight gradients).
 MEASURED_ABOVE = {('gemma', 'full'): 1.21, ('bert', 'full'): 1.04, ('bert', 'dots'): 1.13,
                   ('gemma3', 'full'): 1.34, ('gemma3', 'dots'): 1.03}
+# The H200 plan, where it differs: the Gemma 3-style full 1.3434 (H100: 1.3387), the same buffers.
+MEASURED_ABOVE_ON = {'h200': {('gemma3', 'full'): 1.35}}
 PUBLIC = ('vit', 'lm1b', 'gemma', 'bert', 'gemma3')
 
 
@@ -78,11 +81,13 @@ def test_our_gpt_meets_every_bound_h100():
 @pytest.mark.gpu_plan
 @pytest.mark.slow
 @pytest.mark.skipif(not gpu_plugin_available(), reason='needs the gpu-plan extra')
+@pytest.mark.parametrize('target', ('h100', 'h200'))
 @pytest.mark.parametrize('name', PUBLIC)
-def test_stack_plans_no_more_than_the_per_block_habit_h100(name):
+def test_stack_plans_no_more_than_the_per_block_habit(name, target):
   assert deep_case(name).num_layers >= 8
-  t = temps(name, 'h100')
+  t = temps(name, target)
   assert t['per-block:full'] < t['per-block:dots'] < t['untouched'], t   # the habit works here
   for spec, yardstick in BOUNDS:
-    bound = MEASURED_ABOVE.get((name, spec), 1.0)
+    bound = MEASURED_ABOVE_ON.get(target, {}).get((name, spec),
+                                                  MEASURED_ABOVE.get((name, spec), 1.0))
     assert t[spec] <= bound * t[yardstick], (name, spec, yardstick, t[spec] / t[yardstick])
