@@ -31,6 +31,7 @@ from typing import Callable
 import jax
 
 from remat.policies import PolicyError, get_policy
+from remat.unrolled import zero_cotangent
 
 # Primitives whose outputs are rebuilt rather than kept: elementwise arithmetic and
 # comparisons, type conversions and pure layout changes. Their cost is one pass over
@@ -250,7 +251,7 @@ def has_loop(fn: Callable, *args) -> bool:
 
   def forward_and_back(*args):
     out, pull = jax.vjp(fn, *args)
-    return pull(jax.tree_util.tree_map(_zero_cotangent, out))
+    return pull(jax.tree_util.tree_map(zero_cotangent, out))
   try:
     jaxpr = jax.make_jaxpr(forward_and_back)(*args).jaxpr
   except Exception:   # pylint: disable=broad-except
@@ -258,13 +259,6 @@ def has_loop(fn: Callable, *args) -> bool:
     # here): the forward pass alone, which still shows a loop outside a custom derivative.
     jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
   return any(e.primitive.name in ('scan', 'while') for e in iter_eqns(jaxpr))
-
-
-def _zero_cotangent(a):
-  import numpy as np
-  if jax.numpy.issubdtype(jax.numpy.result_type(a), jax.numpy.inexact):
-    return jax.numpy.zeros(jax.numpy.shape(a), jax.numpy.result_type(a))
-  return np.zeros(jax.numpy.shape(a), jax.dtypes.float0)
 
 
 def resolve_layout(layout: str, policy, num_units: int, batched: bool = False,

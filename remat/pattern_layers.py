@@ -32,8 +32,7 @@ def run_layers(steps, x, xs, num_layers: int, policy: Policy, pattern: tuple, la
   recomputes and differentiates one layer at a time, as ``nn.remat`` on each
   block does.
   """
-  kinds = [pattern[i % len(pattern)] for i in range(num_layers)]
-  counts = {k: [int(kind == k) for kind in kinds] for k in dict.fromkeys(pattern)}
+  kinds, counts = _kinds(pattern, num_layers)
   builders = {k: _layer_of(steps[k], k) for k in counts}
   return unrolled_blocks.run(None, x, xs, counts, num_layers, policy, layout, lean,
                              unit_at=lambda u: builders[kinds[u]])
@@ -51,8 +50,7 @@ def run_runs(steps, x, xs, num_layers: int, policy: Policy, pattern: tuple):
   the loop and its layers' own stacks.
   """
   rule = policy._layer_policy()
-  kinds = [pattern[i % len(pattern)] for i in range(num_layers)]
-  counts = {k: [int(kind == k) for kind in kinds] for k in dict.fromkeys(pattern)}
+  kinds, counts = _kinds(pattern, num_layers)
   blocks, start, cache = [], 0, {}
   while start < num_layers:
     kind, length = kinds[start], 1
@@ -65,6 +63,12 @@ def run_runs(steps, x, xs, num_layers: int, policy: Policy, pattern: tuple):
     blocks.append(unrolled.Block(start, length, cache[key], 'rule', rule is not None or length > 1))
     start += length
   return unrolled.run(blocks, x, xs, counts)
+
+
+def _kinds(pattern: tuple, num_layers: int) -> tuple[list, dict]:
+  """Each layer's kind, and per kind the items of each layer (1 where it is that kind, else 0)."""
+  kinds = [pattern[i % len(pattern)] for i in range(num_layers)]
+  return kinds, {k: [int(kind == k) for kind in kinds] for k in dict.fromkeys(pattern)}
 
 
 def _run_of(step: Callable, kind, rule) -> Callable:

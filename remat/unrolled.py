@@ -140,17 +140,10 @@ class _Items:
     for g, t in tree.items():
       first, n, lead = self.span(b, g)
       if n:
-        at = None
-        def view(a):
-          nonlocal at
-          if a.ndim > 2:
-            part = a[first:first + n]
-          else:
-            if at is None:   # one offset per block and group, opaque to constant folding
-              at = jax.lax.optimization_barrier(jnp.int32(first))
-            part = jax.lax.dynamic_slice_in_dim(a, at, n)
-          return part.reshape(lead + a.shape[1:])
-        out[g] = jax.tree_util.tree_map(view, t)
+        at = jax.lax.optimization_barrier(jnp.int32(first))   # opaque to constant folding
+        out[g] = jax.tree_util.tree_map(
+            lambda a: (a[first:first + n] if a.ndim > 2 else jax.lax.dynamic_slice_in_dim(a, at, n)
+                       ).reshape(lead + a.shape[1:]), t)
     return out
 
   def flat(self, piece, b: Block, g):
