@@ -31,7 +31,7 @@ from typing import Callable
 import jax
 
 from remat.policies import PolicyError, get_policy
-from remat.unrolled import zero_cotangent
+from remat.unrolled_parts import zero_cotangent
 
 # Primitives whose outputs are rebuilt rather than kept: elementwise arithmetic and
 # comparisons, type conversions and pure layout changes. Their cost is one pass over
@@ -141,7 +141,7 @@ def unrolled_active() -> bool:
 # 'auto' picks one of the others per target and policy (choose_layout).
 LAYOUTS = ('auto', 'scan', 'unrolled', 'loops', 'groups')
 LAYOUT_HELP = {
-    'auto': 'scan on CPU; on a GPU, in a stack of <= 8 units outside jax.vmap: unrolled for a '
+    'auto': 'scan on CPU; on a GPU, in a stack of <= 8 units: unrolled for a '
             'per-layer rule, loops for none and patterns, but the scan for none and full where a '
             'layer runs a loop of its own; else scan (docs/own-model.md)',
     'scan': 'one lax.scan over the layers: compiled once, whatever N',
@@ -188,15 +188,14 @@ def check_layout(layout: str) -> str:
 AUTO_UNROLL_MAX = 8
 
 
-def choose_layout(policy, num_units: int, batched: bool = False,
+def choose_layout(policy, num_units: int,
                   platform: str | None = None, pattern: bool = False,
                   inner_loop: bool | Callable[[], bool] = False) -> str:
   """The layout ``'auto'`` stands for (measured in docs/own-model.md).
 
   The scan on the CPU backend (which drops checkpoints in straight-line
   code), for segments and mixes, in a stack deeper than
-  :data:`AUTO_UNROLL_MAX` (compile time), inside ``jax.vmap``
-  (:func:`remat.unrolled.batched`), and under ``none`` or ``full`` for a layer
+  :data:`AUTO_UNROLL_MAX` (compile time), and under ``none`` or ``full`` for a layer
   that runs a loop of its own (``inner_loop``: a blockwise attention, a chunked
   backward pass), whose zero-initialised backward accumulators XLA's GPU
   pipeline merges across unrolled layers into one fusion that holds all of them
@@ -223,14 +222,13 @@ def choose_layout(policy, num_units: int, batched: bool = False,
   Args:
     policy: the resolved :class:`remat.Policy`.
     num_units: the stack's units (layers, or repeats of a pattern).
-    batched: the stack is traced inside ``jax.vmap``.
     platform: 'cpu' or 'gpu'; default :func:`target_platform`.
     pattern: the stack has a pattern of layer kinds.
     inner_loop: whether a layer runs a loop (or a function that says so, called
       only when the answer matters: it traces the layer).
   """
   platform = platform or target_platform()
-  if (platform != 'gpu' or batched or policy.mixed or policy.segmented
+  if (platform != 'gpu' or policy.mixed or policy.segmented
       or num_units > AUTO_UNROLL_MAX):
     return 'scan'
   if policy.rule in ('none', 'full') and (inner_loop() if callable(inner_loop) else inner_loop):
@@ -261,10 +259,10 @@ def has_loop(fn: Callable, *args) -> bool:
   return any(e.primitive.name in ('scan', 'while') for e in iter_eqns(jaxpr))
 
 
-def resolve_layout(layout: str, policy, num_units: int, batched: bool = False,
+def resolve_layout(layout: str, policy, num_units: int,
                    pattern: bool = False, inner_loop: bool | Callable[[], bool] = False) -> str:
   """``layout``, with ``'auto'`` replaced by :func:`choose_layout`'s choice."""
   check_layout(layout)
   if layout != 'auto':
     return layout
-  return choose_layout(policy, num_units, batched, pattern=pattern, inner_loop=inner_loop)
+  return choose_layout(policy, num_units, pattern=pattern, inner_loop=inner_loop)

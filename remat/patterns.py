@@ -34,7 +34,6 @@ import numpy as np
 
 from remat.policies import Policy, sqrt_segment_size
 from remat import pattern_layers, unrolled_blocks
-from remat.unrolled import batched
 from remat.layout import active_reference, has_loop, lean_saveable, resolve_layout
 from remat.segments import Unit, checkpointed, layer_unit, run_units
 from remat.stack_checks import StackSignatureError
@@ -175,13 +174,13 @@ def run_stack(steps: Callable | Mapping[Hashable, Callable], x, xs, num_layers: 
     policy: the policy (its segmenting and mix counts are in repeats of the pattern).
     pattern: the kind of layer i is ``pattern[i % len(pattern)]``; None for one kind.
     layout: 'scan', 'unrolled', 'loops', 'groups' or 'auto' (:mod:`remat.layout`:
-      chosen here, per target, policy and whether the stack runs inside ``jax.vmap``).
+      chosen here, per target and policy).
 
   Returns:
     ``(x, ys)``: ``ys`` stacked ``[N, ...]``, or a mapping kind -> ``[n_kind, ...]``.
   """
   lean = True
-  layout = resolve_layout(layout, policy, num_units(pattern, num_layers), batched(x),
+  layout = resolve_layout(layout, policy, num_units(pattern, num_layers),
                           pattern=pattern is not None,
                           inner_loop=lambda: _inner_loop(steps, x, xs, pattern))
   reference = active_reference()

@@ -29,7 +29,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from remat.unrolled import inexact, residual_origins, zero_cotangent
+from remat.unrolled_parts import inexact, residual_origins, zero_cotangent
 
 
 def shared_leaves(step: Callable, x, xs_0) -> dict[int, tuple[str, int]]:

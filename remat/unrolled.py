@@ -23,7 +23,8 @@ read again where it lives, and one that is a per-layer output (a U-Net's skip)
 is read back from the stacked outputs. Everything else (what the rule saves,
 what is recomputed, the gradients) is what the same layers give in the user's
 loop. Like any ``jax.custom_vjp`` it supports reverse-mode differentiation
-only.
+only. Traced inside ``jax.vmap``, the loop runs once on the whole batch, each
+block vmapped, so shared parameters get one gradient as outside ``vmap``.
 
 Inputs come in *groups* (a plain stack has one; a pattern one per layer kind),
 each stacked ``[items, ...]`` with a number of items per unit: one layer per
@@ -36,8 +37,12 @@ import dataclasses
 from typing import Callable
 
 import jax
+import jax.custom_batching
 import jax.numpy as jnp
 import numpy as np
+
+from remat.unrolled_parts import (barrier, batched, hoist, inexact, residual_origins,
+                                  zero_cotangent)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,49 +69,6 @@ class Block:
   fn: Callable
   keeps: str = 'rule'
   recomputes: bool = True
-
-
-def residual_origins(leaves, known):
-  """Where each residual leaf of a VJP comes from, and the residuals of its own.
-
-  ``known`` is ``[(origin, array), ...]`` of arrays the caller holds anyway (a
-  layer's inputs, its parameters). A leaf that *is* one of them is recorded by
-  its origin and not kept again; any other is kept, recorded as ``('r', i)``.
-
-  Returns:
-    (origins, one per leaf; the leaves to keep, in ``('r', i)`` order).
-  """
-  where, mine = [], []
-  for leaf in leaves:
-    origin = next((o for o, a in known if a is leaf), None)
-    if origin is None:
-      origin = ('r', len(mine))
-      mine.append(leaf)
-    where.append(origin)
-  return where, mine
-
-
-def inexact(a) -> bool:
-  """Whether ``a`` is a float or complex value (one that has a cotangent)."""
-  return jnp.issubdtype(jnp.result_type(a), jnp.inexact)
-
-
-def zero_cotangent(a):
-  """The cotangent nobody wrote: zeros, or float0 for integer and key leaves."""
-  if inexact(a):
-    return jnp.zeros(jnp.shape(a), jnp.result_type(a))
-  return np.zeros(jnp.shape(a), jax.dtypes.float0)
-
-
-def _barrier(tree):
-  """``optimization_barrier`` over the float leaves of ``tree`` (None and float0 pass through)."""
-  leaves, tdef = jax.tree_util.tree_flatten(tree, is_leaf=lambda v: v is None)
-  pick = [i for i, a in enumerate(leaves) if a is not None and inexact(a)
-          and not isinstance(a, np.ndarray)]
-  held = jax.lax.optimization_barrier([leaves[i] for i in pick])
-  for i, a in zip(pick, held):
-    leaves[i] = a
-  return jax.tree_util.tree_unflatten(tdef, leaves)
 
 
 class _Items:
@@ -178,7 +140,7 @@ def run(blocks: list[Block], x, xs: dict, counts: dict):
            tuple(jnp.shape(a) for a in jax.tree_util.tree_leaves(view)))
     if key not in seen:
       seen[key] = len(consts)
-      conv, k = jax.closure_convert(b.fn, shape_x, view)
+      conv, k = hoist(b.fn, shape_x, view)
       converted.append(conv)
       consts.append(k)
     w = seen[key]
@@ -268,9 +230,9 @@ def run(blocks: list[Block], x, xs: dict, counts: dict):
     # Gemma 3-style decoder of tests/public_models/gemma3.py, full, H100 plan: 1.50 MiB; the
     # issue-34 ViT's 8 layers under full: 4.68 -> 4.40 MiB temp, its per-block habit 4.52).
     if blocks[-1].recomputes or blocks[-1].keeps == 'input':
-      ct_x, kept[-1], xs = _barrier((ct_x, kept[-1], xs))
+      ct_x, kept[-1], xs = barrier((ct_x, kept[-1], xs))
     else:
-      ct_x, xs = _barrier((ct_x, xs))
+      ct_x, xs = barrier((ct_x, xs))
     for bi in reversed(range(len(blocks))):
       b, w = blocks[bi], which[bi]
       view = items.take(xs, b)
@@ -309,37 +271,68 @@ def run(blocks: list[Block], x, xs: dict, counts: dict):
       # with the forward pass (which would keep the forward's values instead): the job of
       # jax.checkpoint's prevent_cse, so the blocks' checkpoints need not do it too.
       if bi and (blocks[bi - 1].recomputes or blocks[bi - 1].keeps == 'input'):
-        ct_x, acc, kept[bi - 1], xs = _barrier((ct_x, acc, kept[bi - 1], xs))
+        ct_x, acc, kept[bi - 1], xs = barrier((ct_x, acc, kept[bi - 1], xs))
       else:
-        ct_x, acc, xs = _barrier((ct_x, acc, xs))
+        ct_x, acc, xs = barrier((ct_x, acc, xs))
     ct_xs = [a if f else zero_cotangent(x0) for a, f, x0 in zip(acc, floats, xs_leaves)]
     ct_consts = [[g if g is not None else zero_cotangent(a) for g, a in zip(gs, k)]
                  for gs, k in zip(ct_k, consts)]
     return ct_x, jax.tree_util.tree_unflatten(xs_def, ct_xs), ct_consts
 
-  if batched(x) or batched(xs):
-    # Inside jax.vmap a custom_vjp's backward runs per example, so the unbatched parameters would
-    # get per-example gradients, [batch, N, ...]; there the loop keeps JAX's own derivative (each
-    # layer's gradient a zero-padded [N, ...] buffer), a segment in jax.checkpoint.
-    def inside(x, xs, consts):
-      pieces = []
-      for b, w in zip(blocks, which):
-        f = converted[w] if b.keeps == 'rule' else jax.checkpoint(
-            converted[w], policy=jax.checkpoint_policies.nothing_saveable)
-        x, ys_b = f(x, items.take(xs, b), *consts[w])
-        pieces.append(ys_b)
-      return x, stack_ys(pieces)
-    return inside(x, xs, consts)
+  def inside(x, xs, consts):
+    # JAX's own derivative of the loop (each layer's gradient a zero-padded [N, ...] buffer), a
+    # segment in jax.checkpoint: for per-example stacked inputs under jax.vmap, where the
+    # derivative above would run per example.
+    pieces = []
+    for b, w in zip(blocks, which):
+      f = converted[w] if b.keeps == 'rule' else jax.checkpoint(
+          converted[w], policy=jax.checkpoint_policies.nothing_saveable)
+      x, ys_b = f(x, items.take(xs, b), *consts[w])
+      pieces.append(ys_b)
+    return x, stack_ys(pieces)
+
   fn = jax.custom_vjp(plain)
   fn.defvjp(forward, backward)
-  return fn(x, xs, consts)
+  if not batched((x, xs, consts)):
+    return fn(x, xs, consts)
+  # Inside jax.vmap a custom_vjp's backward runs per example, so the shared parameters would get
+  # per-example gradients, [batch, N, ...]. custom_vmap hands the batched arrays to _batched_run
+  # instead, which runs this loop once on the whole batch, each block vmapped. (Only inside a
+  # vmap: JAX cannot differentiate a custom_vmap outside one.)
+  per_example = jax.custom_batching.custom_vmap(fn)
+  per_example.def_vmap(lambda size, in_batched, x, xs, consts: _batched_run(
+      blocks, which, converted, items, inside, size, in_batched, x, xs, consts))
+  return per_example(x, xs, consts)
 
 
-def batched(tree) -> bool:
-  """True when a leaf of ``tree`` is being batched by ``jax.vmap`` (the stack is traced inside one).
+def _batched_run(blocks, which, converted, items, inside, size, in_batched, x, xs, consts):
+  """:func:`run` on a batch: ``custom_vmap``'s rule for a stack traced inside ``jax.vmap``.
 
-  JAX does not export its batching tracer's type, so it is recognised by name. A stack in a
-  ``jax.jit`` that is itself inside ``jax.vmap`` is traced unbatched and cannot tell.
+  With shared stacked inputs (the parameters) each block becomes ``jax.vmap`` of
+  itself over the carry and any batched value it closes over, and the loop runs
+  once with the derivative above: one gradient for the parameters, summed over
+  the batch. Per-example stacked inputs get JAX's own derivative, vmapped.
   """
-  return any(isinstance(a, jax.core.Tracer) and type(a).__name__ == 'BatchTracer'
-             for a in jax.tree_util.tree_leaves(tree))
+  b_x, b_xs, b_k = in_batched
+  axes = lambda flags: jax.tree_util.tree_map(lambda f: 0 if f else None, flags)
+  everything = lambda out: (out, jax.tree_util.tree_map(lambda _: True, out))
+  if any(jax.tree_util.tree_leaves(b_xs)):
+    return everything(jax.vmap(inside, in_axes=(axes(b_x), axes(b_xs), axes(b_k)),
+                               axis_size=size)(x, xs, consts))
+
+  def per_block(b, w, first):
+    # After the first block every leaf of the carry is batched (vmap's outputs all are).
+    f = jax.vmap(converted[w], in_axes=(axes(b_x) if first else 0, None, *axes(b_k[w])),
+                 axis_size=size)
+
+    def fn(x, view):
+      x, ys = f(x, view, *consts[w])
+      # the batch axis after the block's items, where the stacked outputs keep theirs
+      return x, {g: jax.tree_util.tree_map(
+          lambda a, k=len(items.span(b, g)[2]): jnp.moveaxis(a, 0, k), t) for g, t in ys.items()}
+    return fn
+
+  vblocks = [dataclasses.replace(b, fn=per_block(b, w, i == 0))
+             for i, (b, w) in enumerate(zip(blocks, which))]
+  x, ys = run(vblocks, x, xs, items.counts)
+  return everything((x, jax.tree_util.tree_map(lambda a: jnp.moveaxis(a, 1, 0), ys)))
