@@ -162,7 +162,7 @@ class NNXStack(nnx.Module):
     index = None if pattern is None else patterns.kind_indices(pattern, n)
     pick = lambda tree, k: tree if tree is None or k is None else jax.tree_util.tree_map(
         lambda a: a[index[k]], tree)
-    steps, stacked, graphs, aux, tags = {}, {}, {}, None, set()
+    steps, stacked, aux, tags = {}, {}, None, set()
     for k, module in modules.items():
       call = type(module).__call__
       with_rng, with_rngs = takes_rng(call), _takes(call, 'rngs')

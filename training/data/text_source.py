@@ -124,7 +124,6 @@ def open_text(cfg, size: int, log, rows: tuple[int, ...] | None = None, warn=Non
   if isinstance(tok, HFTokenizer):
     log(f'tokenizer: {tok.name} ({tok.vocab_size:,} ids; documents end with '
         f'{tok.eot_token!r} = {tok.eot_id})')
-  source = str(cfg.data or 'the python stdlib source')
   data = load_tokens(cfg.data, tok, size, warn=warn, check=lambda _, val: _held_out_memory(
       cfg, size, val))
   log(f'data: {data.description}')

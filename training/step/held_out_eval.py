@@ -26,8 +26,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+  from training.data.held_out import HeldOutSet
 
 
 def counted(batch) -> float:
