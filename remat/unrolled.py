@@ -41,6 +41,7 @@ import jax.custom_batching
 import jax.numpy as jnp
 import numpy as np
 
+from remat import kept_in_gradients
 from remat.unrolled_parts import (barrier, batched, hoist, inexact, residual_origins,
                                   zero_cotangent)
 
@@ -119,7 +120,7 @@ class _Items:
     return first if n == 1 and lead == () else None
 
 
-def run(blocks: list[Block], x, xs: dict, counts: dict):
+def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True):
   """Runs ``blocks`` (a partition of the units, in order) with the derivative above.
 
   Args:
@@ -127,6 +128,9 @@ def run(blocks: list[Block], x, xs: dict, counts: dict):
     x: the carry.
     xs: ``{group: inputs stacked [items, ...]}`` (parameters, keys, per-layer inputs).
     counts: ``{group: items of each unit}``, U numbers per group.
+    pack: let the inputs that blocks keep wait in the gradient rows of earlier
+      blocks (:mod:`remat.kept_in_gradients`); False for the references, which
+      stand for the user's own loop.
 
   Returns:
     ``(x, ys)``: ``ys`` is ``{group: outputs stacked [items, ...]}``.
@@ -168,8 +172,10 @@ def run(blocks: list[Block], x, xs: dict, counts: dict):
 
   def forward(x, xs, consts):
     pieces, kept, layouts = [], [], []
+    inputs = []   # per block, its input's leaves: those it keeps may wait in gradient rows
     for b, w in zip(blocks, which):
       view = items.take(xs, b)
+      inputs.append(jax.tree_util.tree_leaves(x))
       if b.keeps == 'input':
         kept.append([x])
         layouts.append(None)
@@ -209,19 +215,30 @@ def run(blocks: list[Block], x, xs: dict, counts: dict):
       layouts[bi] = (tree, [remap[o[1]] if o[0] == 'r' else o for o in where])
     meta['layouts'] = layouts
     ys = stack_ys(pieces)
-    return (x, ys), (xs, consts, ys, kept)
+    acc = None
+    if pack:   # the kept block inputs wait in gradient rows written later (remat.kept_in_gradients)
+      accs = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) if inexact(a) else None
+              for a in jax.tree_util.tree_leaves(xs)]
+      rows = [[items.span(b, g)[:2] for g in leaf_groups(xs)] for b in blocks]
+      meta['spots'] = kept_in_gradients.place(kept, inputs, accs, rows)
+      if meta['spots']:
+        acc, kept = kept_in_gradients.store(
+            [None if a is None else jnp.zeros(a.shape, a.dtype) for a in accs], kept, meta['spots'])
+    return (x, ys), (xs, consts, ys, kept, acc)
 
   def backward(res, cts):
-    xs, consts, ys, kept = res
+    xs, consts, ys, kept, acc = res
     kept = list(kept)
     ct_x, ct_ys = cts
     xs_leaves, xs_def = jax.tree_util.tree_flatten(xs)
     floats = [inexact(a) for a in xs_leaves]
-    # The gradient accumulators, one per float leaf, and which leaves are each group's.
-    acc = [jnp.zeros(jnp.shape(a), jnp.result_type(a)) if f else None
-           for a, f in zip(xs_leaves, floats)]
-    paths = jax.tree_util.tree_flatten_with_path(xs)[0]
-    mine = {g: [i for i, (p, _) in enumerate(paths) if p[0].key == g] for g in xs}
+    # The gradient accumulators, one per float leaf (holding kept inputs, when the forward pass
+    # made them), and which leaves are each group's.
+    acc = list(acc) if acc is not None else [
+        jnp.zeros(jnp.shape(a), jnp.result_type(a)) if f else None
+        for a, f in zip(xs_leaves, floats)]
+    spots = meta.get('spots', {})
+    mine = {g: [i for i, h in enumerate(leaf_groups(xs)) if h == g] for g in xs}
     ct_k = [[jnp.zeros_like(a) if inexact(a) else None for a in k] for k in consts]
     ys_leaves = {g: jax.tree_util.tree_leaves(t) for g, t in ys.items()}
     # The stacked inputs pass through the barriers too, so that each block's slices of them in the
@@ -237,14 +254,17 @@ def run(blocks: list[Block], x, xs: dict, counts: dict):
       b, w = blocks[bi], which[bi]
       view = items.take(xs, b)
       if meta['layouts'][bi] is None:   # a segment: run it again from its input, then back
-        _, pull = jax.vjp(call(w), kept[bi][0], view, consts[w])
+        at = spots.get((bi, 0))
+        start = kept[bi][0] if at is None else kept_in_gradients.load(acc, at)
+        _, pull = jax.vjp(call(w), start, view, consts[w])
       else:
         tree, where = meta['layouts'][bi]
         s_leaves, k_leaves = jax.tree_util.tree_leaves(view), consts[w]
         leaves = []
         for kind, j in where:
           if kind == 'r':
-            leaves.append(kept[bi][j])
+            at = spots.get((bi, j))
+            leaves.append(kept[bi][j] if at is None else kept_in_gradients.load(acc, at))
           elif kind == 's':
             leaves.append(s_leaves[j])
           elif kind == 'k':
@@ -301,11 +321,11 @@ def run(blocks: list[Block], x, xs: dict, counts: dict):
   # vmap: JAX cannot differentiate a custom_vmap outside one.)
   per_example = jax.custom_batching.custom_vmap(fn)
   per_example.def_vmap(lambda size, in_batched, x, xs, consts: _batched_run(
-      blocks, which, converted, items, inside, size, in_batched, x, xs, consts))
+      blocks, which, converted, items, inside, pack, size, in_batched, x, xs, consts))
   return per_example(x, xs, consts)
 
 
-def _batched_run(blocks, which, converted, items, inside, size, in_batched, x, xs, consts):
+def _batched_run(blocks, which, converted, items, inside, pack, size, in_batched, x, xs, consts):
   """:func:`run` on a batch: ``custom_vmap``'s rule for a stack traced inside ``jax.vmap``.
 
   With shared stacked inputs (the parameters) each block becomes ``jax.vmap`` of
@@ -334,5 +354,10 @@ def _batched_run(blocks, which, converted, items, inside, size, in_batched, x, x
 
   vblocks = [dataclasses.replace(b, fn=per_block(b, w, i == 0))
              for i, (b, w) in enumerate(zip(blocks, which))]
-  x, ys = run(vblocks, x, xs, items.counts)
+  x, ys = run(vblocks, x, xs, items.counts, pack)
   return everything((x, jax.tree_util.tree_map(lambda a: jnp.moveaxis(a, 1, 0), ys)))
+
+
+def leaf_groups(xs: dict) -> list:
+  """The group of each leaf of ``{group: stacked inputs}``, in leaf order."""
+  return [p[0].key for p, _ in jax.tree_util.tree_flatten_with_path(xs)[0]]

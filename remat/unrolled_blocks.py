@@ -151,8 +151,9 @@ def run(unit, x, xs: dict, counts: dict, num_units: int, policy: Policy, layout:
     num_units: U.
     policy: the policy (a mix's parts are laid out in turn; segments count units).
     layout: 'unrolled', 'loops' or 'groups'.
-    lean: under ``loops``, keep what :func:`remat.layout.lean_saveable` keeps for ``none``
-      (False for the plain reference: no checkpoint at all).
+    lean: under ``loops``, keep what :func:`remat.layout.lean_saveable` keeps for ``none``,
+      and keep saved layer inputs in gradient rows written later
+      (:mod:`remat.kept_in_gradients`); False for the references, the user's own loop.
     tail_unit: the last unit's builder when it differs (a pattern's remainder).
     unit_at: ``unit_at(u)``, unit u's own builder, for units of different kinds
       (a pattern's layers, one unit each); ``unit`` is then unused. A per-layer
@@ -168,7 +169,7 @@ def run(unit, x, xs: dict, counts: dict, num_units: int, policy: Policy, layout:
     blocks += _part_blocks(unit, start, count, part, layout, lean,
                            tail_unit if last else None, unit_at)
     start += count
-  return unrolled.run(blocks, x, xs, counts)
+  return unrolled.run(blocks, x, xs, counts, pack=lean)
 
 
 def run_plain(unit, x, xs, num_units: int, policy: Policy, layout: str, lean: bool = True):

@@ -22,16 +22,15 @@ from tests.public_models import deep_case
 
 # (stack spec, the yardstick it is held to): the per-block habit under the same rule, or untouched.
 BOUNDS = (('full', 'per-block:full'), ('dots', 'per-block:dots'), ('none', 'untouched'))
-# Where the stack does not meet a bound yet, the ratio measured on the H100 plan (jax 0.10.2) at the
-# commit that set it, held so that it does not grow. XLA's plans are deterministic for a given jax
-# and plugin, so the held value is the measured ratio rounded up in its second decimal, nothing
-# more. Gemma-style and Gemma 3-style full: the per-block model keeps most saved layer inputs in
-# the gradient buffers of layers whose backward has not run yet (XLA's buffer assignment shares
-# an output's bytes until it is written), where the stack's stacked gradient buffer is one
-# allocation, live from the first layer's backward step; docs/own-model.md has the buffers.
-MEASURED_ABOVE = {('gemma', 'full'): 1.21, ('gemma3', 'full'): 1.34, ('gemma3', 'dots'): 1.03}
-# The H200 plan, where it differs: the Gemma 3-style full 1.3434 (H100: 1.3387), the same buffers.
-MEASURED_ABOVE_ON = {'h200': {('gemma3', 'full'): 1.35}}
+# Where the stack does not meet a bound yet, the ratio measured on the H100 and H200 plans (jax
+# 0.10.2) at the commit that set it, held so that it does not grow: the larger of the two, rounded
+# up in its second decimal, nothing more. These plans came out the same in every run (not every
+# XLA plan does: a scanned BERT's dots planned 18.64 or 18.89 MiB in two runs of one command).
+# Gemma-style and Gemma 3-style full: the stack keeps its saved layer inputs in gradient rows
+# written later (remat.kept_in_gradients), as the per-block model keeps them in the gradient
+# buffers of layers whose backward has not run; what is left is the backward working set
+# (docs/own-model.md). Full 1.0639 and 1.0843 (H200 1.0880), Gemma 3-style dots 1.0192 (1.0198).
+MEASURED_ABOVE = {('gemma', 'full'): 1.07, ('gemma3', 'full'): 1.09, ('gemma3', 'dots'): 1.02}
 PUBLIC = ('vit', 'lm1b', 'gemma', 'bert', 'gemma3')
 
 
@@ -85,6 +84,5 @@ def test_stack_plans_no_more_than_the_per_block_habit(name, target):
   t = temps(name, target)
   assert t['per-block:full'] < t['per-block:dots'] < t['untouched'], t   # the habit works here
   for spec, yardstick in BOUNDS:
-    bound = MEASURED_ABOVE_ON.get(target, {}).get((name, spec),
-                                                  MEASURED_ABOVE.get((name, spec), 1.0))
+    bound = MEASURED_ABOVE.get((name, spec), 1.0)
     assert t[spec] <= bound * t[yardstick], (name, spec, yardstick, t[spec] / t[yardstick])

@@ -173,7 +173,9 @@ def test_per_block_yardstick_keeps_what_its_rule_keeps():
 def test_per_block_yardstick_orders_on_a_gpu_plan_and_unrolled_is_it():
   """On the H100 plan, where checkpoints outside loops are kept: per-block full < dots < unrolled.
 
-  The stack under layout='unrolled' is that habit: each rule plans what its yardstick plans.
+  The stack under layout='unrolled' is that habit, its saved layer inputs waiting in gradient
+  rows written later (remat.kept_in_gradients): each rule plans less than its yardstick
+  (100656 against 125232 bytes under full, 297272 against 321848 under dots).
   """
   from remat.layout import per_block_reference, unrolled_reference
   from remat.measuring import step_memory
@@ -191,4 +193,4 @@ def test_per_block_yardstick_orders_on_a_gpu_plan_and_unrolled_is_it():
   ref, full, dots = (temp('none', context=c) for c in (
       unrolled_reference(), per_block_reference('full'), per_block_reference('dots')))
   assert full < dots < ref
-  assert temp('full', 'unrolled') == full and temp('dots', 'unrolled') == dots
+  assert temp('full', 'unrolled') < full and temp('dots', 'unrolled') < dots
