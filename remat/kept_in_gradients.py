@@ -17,9 +17,9 @@ same dtype), :func:`store` writes the inputs there in the forward pass and
 :func:`load` reads one back in block b's backward step, before block k's
 gradient overwrites it. Every row is overwritten by its block's gradient, so the
 gradients are unchanged. Only the block's *input* is stored: storing the matmul
-outputs that ``dots`` and the lean ``none`` keep as well planned more (the
-Gemma-style decoder's ``none``, H100 plan: 19.17 MiB, against 18.99 storing the
-inputs alone and 19.24 storing nothing), their readers copying them out first.
+outputs that ``dots`` and the lean ``none`` keep as well changed no ``dots`` plan
+of the Gemma-style and Gemma 3-style decoders and moved their ``none`` both ways
+(H100 plan: 18.99 -> 19.17 MiB and 30.47 -> 29.58 MiB).
 Values of another dtype than the gradient's (bfloat16 activations beside float32
 parameters) are not stored.
 """
