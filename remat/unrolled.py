@@ -352,8 +352,9 @@ def _batched_run(blocks, which, converted, items, inside, pack, size, in_batched
           lambda a, k=len(items.span(b, g)[2]): jnp.moveaxis(a, 0, k), t) for g, t in ys.items()}
     return fn
 
-  vblocks = [dataclasses.replace(b, fn=per_block(b, w, i == 0))
-             for i, (b, w) in enumerate(zip(blocks, which))]
+  made = {}   # blocks that share a function share its vmapped one (traced once, as before)
+  vblocks = [dataclasses.replace(b, fn=made.get((w, i == 0)) or made.setdefault(
+      (w, i == 0), per_block(b, w, i == 0))) for i, (b, w) in enumerate(zip(blocks, which))]
   x, ys = run(vblocks, x, xs, items.counts, pack)
   return everything((x, jax.tree_util.tree_map(lambda a: jnp.moveaxis(a, 1, 0), ys)))
 
