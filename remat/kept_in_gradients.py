@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from remat.unrolled_parts import inexact
+
 
 @dataclasses.dataclass(frozen=True)
 class Spot:
@@ -58,7 +60,7 @@ def place(kept: list[list], inputs: list[list], accs: list, rows: list) -> dict:
   spots = {}
   for b in range(1, len(kept)):
     for j, value in enumerate(kept[b]):
-      if value is None or not any(value is a for a in inputs[b]) or not _fits_somewhere(value):
+      if value is None or not any(value is a for a in inputs[b]) or not _storable(value):
         continue
       size = int(np.prod(jnp.shape(value), dtype=np.int64))
       spot = _first_fit(b, size, jnp.result_type(value), accs, rows, free)
@@ -67,8 +69,8 @@ def place(kept: list[list], inputs: list[list], accs: list, rows: list) -> dict:
   return spots
 
 
-def _fits_somewhere(value) -> bool:
-  return jnp.issubdtype(jnp.result_type(value), jnp.inexact) and jnp.size(value) > 0
+def _storable(value) -> bool:
+  return inexact(value) and jnp.size(value) > 0
 
 
 def _first_fit(b: int, size: int, dtype, accs, rows, free):

@@ -219,11 +219,11 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True):
     if pack:   # the kept block inputs wait in gradient rows written later (remat.kept_in_gradients)
       accs = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) if inexact(a) else None
               for a in jax.tree_util.tree_leaves(xs)]
-      rows = [[items.span(b, g)[:2] for g in leaf_groups(xs)] for b in blocks]
+      groups = leaf_groups(xs)
+      rows = [[items.span(b, g)[:2] for g in groups] for b in blocks]
       meta['spots'] = kept_in_gradients.place(kept, inputs, accs, rows)
       if meta['spots']:
-        acc, kept = kept_in_gradients.store(
-            [None if a is None else jnp.zeros(a.shape, a.dtype) for a in accs], kept, meta['spots'])
+        acc, kept = kept_in_gradients.store(zero_accumulators(xs), kept, meta['spots'])
     return (x, ys), (xs, consts, ys, kept, acc)
 
   def backward(res, cts):
@@ -234,11 +234,10 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True):
     floats = [inexact(a) for a in xs_leaves]
     # The gradient accumulators, one per float leaf (holding kept inputs, when the forward pass
     # made them), and which leaves are each group's.
-    acc = list(acc) if acc is not None else [
-        jnp.zeros(jnp.shape(a), jnp.result_type(a)) if f else None
-        for a, f in zip(xs_leaves, floats)]
+    acc = list(acc) if acc is not None else zero_accumulators(xs)
     spots = meta.get('spots', {})
-    mine = {g: [i for i, h in enumerate(leaf_groups(xs)) if h == g] for g in xs}
+    groups = leaf_groups(xs)
+    mine = {g: [i for i, h in enumerate(groups) if h == g] for g in xs}
     ct_k = [[jnp.zeros_like(a) if inexact(a) else None for a in k] for k in consts]
     ys_leaves = {g: jax.tree_util.tree_leaves(t) for g, t in ys.items()}
     # The stacked inputs pass through the barriers too, so that each block's slices of them in the
@@ -357,6 +356,12 @@ def _batched_run(blocks, which, converted, items, inside, pack, size, in_batched
       (w, i == 0), per_block(b, w, i == 0))) for i, (b, w) in enumerate(zip(blocks, which))]
   x, ys = run(vblocks, x, xs, items.counts, pack)
   return everything((x, jax.tree_util.tree_map(lambda a: jnp.moveaxis(a, 1, 0), ys)))
+
+
+def zero_accumulators(xs: dict) -> list:
+  """A zero gradient accumulator per float leaf of ``xs`` (None for integer and key leaves)."""
+  return [jnp.zeros(jnp.shape(a), jnp.result_type(a)) if inexact(a) else None
+          for a in jax.tree_util.tree_leaves(xs)]
 
 
 def leaf_groups(xs: dict) -> list:

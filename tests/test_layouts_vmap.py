@@ -19,6 +19,7 @@ from flax import nnx
 from numerics import assert_trees_close
 from remat import LayerStack, NNXStack, scan_layers
 from remat.measuring import step_memory
+from test_layouts import NBlock   # the NNX block of the layout tests (same D, H)
 
 N, B, T, D, H = 4, 3, 5, 8, 16
 LAYOUTS = ('unrolled', 'loops', 'groups')
@@ -147,15 +148,6 @@ def test_linen_stack_under_vmap_of_apply():
     want = grads_of(spec, 'scan')
     for layout in LAYOUTS:
       assert_trees_close(grads_of(spec, layout), want, err_msg=f'{spec} {layout}: ')
-
-
-class NBlock(nnx.Module):
-  def __init__(self, rngs):
-    self.fc1 = nnx.Linear(D, H, rngs=rngs)
-    self.fc2 = nnx.Linear(H, D, rngs=rngs)
-
-  def __call__(self, x):
-    return x + self.fc2(jnp.tanh(self.fc1(x)))
 
 
 def test_nnx_stack_under_nnx_vmap():
