@@ -42,8 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from remat import kept_in_gradients
-from remat.unrolled_parts import (barrier, batched, hoist, inexact, residual_origins,
-                                  zero_cotangent)
+from remat.unrolled_parts import (barrier, batched, hoist, inexact, matmul_operands,
+                                  residual_origins, zero_cotangent)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,25 +88,32 @@ class _Items:
     assert len(set(c)) == 1, 'a block of several units needs the same items per unit'
     return first, n, ((b.length,) if c[0] == 1 else (b.length, c[0]))
 
-  def take(self, tree: dict, b: Block) -> dict:
+  def take(self, tree: dict, b: Block, in_place: dict | None = None) -> dict:
     """Block b's view of ``{group: stacked}``.
 
-    A leaf of one vector (or number) per item, a bias or a norm's scale, is read
-    at an offset XLA cannot fold to a constant, so the fusions that read it are
-    the same in every block and XLA's GPU compiler builds their kernel once
-    (the issue-34 ViT, 8 layers, ``full``, H100 plan: 9.1 -> 7.8 s of compile,
-    the plan byte for byte the same). A matrix per item stays a constant slice:
-    the GPU's matmul fusions read that in place, where they would first copy a
-    slice at a dynamic offset (the same ViT: 4.40 -> 4.53 MiB of ``temp``).
+    A leaf that a matmul reads (``in_place``: ``{group: leaf numbers}``, from
+    :func:`remat.unrolled_parts.matmul_operands`) stays a slice at a constant
+    offset: the GPU's matmul fusions read that in place, where they would first
+    copy a slice at a dynamic offset (the issue-34 ViT, 8 layers, ``full``, H100
+    plan: 4.40 -> 4.53 MiB of ``temp``). Any other leaf (a bias, a norm's
+    scale, a dropout key) is read at an offset XLA cannot fold to a constant,
+    so the fusions that read it are the same in every block and XLA's GPU
+    compiler builds their kernel once (the same ViT: 9.1 -> 7.8 s of compile
+    with vectors alone, the plan byte for byte the same). Without
+    ``in_place`` (the cotangents of per-unit outputs), a leaf of more than
+    one dimension per item stays a constant slice.
     """
     out = {}
     for g, t in tree.items():
       first, n, lead = self.span(b, g)
       if n:
         at = jax.lax.optimization_barrier(jnp.int32(first))   # opaque to constant folding
-        out[g] = jax.tree_util.tree_map(
-            lambda a: (a[first:first + n] if a.ndim > 2 else jax.lax.dynamic_slice_in_dim(a, at, n)
-                       ).reshape(lead + a.shape[1:]), t)
+        leaves, tdef = jax.tree_util.tree_flatten(t)
+        keep = in_place.get(g, ()) if in_place is not None else [
+            j for j, a in enumerate(leaves) if a.ndim > 2]
+        out[g] = jax.tree_util.tree_unflatten(tdef, [
+            (a[first:first + n] if j in keep else jax.lax.dynamic_slice_in_dim(a, at, n)
+             ).reshape(lead + a.shape[1:]) for j, a in enumerate(leaves)])
     return out
 
   def flat(self, piece, b: Block, g):
@@ -137,16 +144,22 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True):
   """
   items = _Items(blocks, counts)
   converted, consts, which = [], [], []
-  shape_x, seen = x, {}
+  shape_x, seen, in_place = x, {}, {}
   for b in blocks:  # hoist what each block closes over, so custom_vjp sees it as an input
-    view = items.take(xs, b)
+    view = jax.eval_shape(lambda xs: items.take(xs, b), xs)
     key = (id(b.fn), jax.tree_util.tree_structure(view),
            tuple(jnp.shape(a) for a in jax.tree_util.tree_leaves(view)))
     if key not in seen:
       seen[key] = len(consts)
-      conv, k = hoist(b.fn, shape_x, view)
+      conv, k, closed = hoist(b.fn, shape_x, view)
       converted.append(conv)
       consts.append(k)
+      # the leaves any block's matmuls read (by group, leaf number): Items.take keeps them in place
+      group = leaf_groups(view)
+      first = len(jax.tree_util.tree_leaves(shape_x))
+      for i in matmul_operands(closed, set(range(first, first + len(group)))):
+        g = group[i - first]
+        in_place.setdefault(g, set()).add(group[:i - first].count(g))
     w = seen[key]
     which.append(w)
     shape_x = jax.eval_shape(converted[w], shape_x, view, *consts[w])[0]
@@ -166,7 +179,7 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True):
   def plain(x, xs, consts):
     pieces = []
     for b, w in zip(blocks, which):
-      x, ys_b = converted[w](x, items.take(xs, b), *consts[w])
+      x, ys_b = converted[w](x, items.take(xs, b, in_place), *consts[w])
       pieces.append(ys_b)
     return x, stack_ys(pieces)
 
@@ -174,7 +187,7 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True):
     pieces, kept, layouts = [], [], []
     inputs = []   # per block, its input's leaves: those it keeps may wait in gradient rows
     for b, w in zip(blocks, which):
-      view = items.take(xs, b)
+      view = items.take(xs, b, in_place)
       inputs.append(jax.tree_util.tree_leaves(x))
       if b.keeps == 'input':
         kept.append([x])
@@ -251,7 +264,7 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True):
       ct_x, xs = barrier((ct_x, xs))
     for bi in reversed(range(len(blocks))):
       b, w = blocks[bi], which[bi]
-      view = items.take(xs, b)
+      view = items.take(xs, b, in_place)
       if meta['layouts'][bi] is None:   # a segment: run it again from its input, then back
         at = spots.get((bi, 0))
         start = kept[bi][0] if at is None else kept_in_gradients.load(acc, at)
@@ -306,7 +319,7 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True):
     for b, w in zip(blocks, which):
       f = converted[w] if b.keeps == 'rule' else jax.checkpoint(
           converted[w], policy=jax.checkpoint_policies.nothing_saveable)
-      x, ys_b = f(x, items.take(xs, b), *consts[w])
+      x, ys_b = f(x, items.take(xs, b, in_place), *consts[w])
       pieces.append(ys_b)
     return x, stack_ys(pieces)
 

@@ -1,4 +1,4 @@
-"""Helpers of :mod:`remat.unrolled`'s loop: hoisting a block's closure, its residuals, cotangents.
+"""Helpers of :mod:`remat.unrolled`'s loop: a block's closure, residuals, matmul operands, cotangents.
 
 Kept apart so that :mod:`remat.shared_outputs` and :mod:`remat.layout` can use
 them without the loop itself.
@@ -35,12 +35,16 @@ def residual_origins(leaves, known):
 
 
 def hoist(fn: Callable, *example):
-  """``fn`` with every traced value it closes over made an input: ``(fn(*args, *consts), consts)``.
+  """``fn`` with every traced value it closes over made an input.
 
   As ``jax.closure_convert``, which hoists only values that may carry a
   tangent: an integer or boolean value (an attention mask made from the batch)
   would stay closed over, which ``jax.custom_batching.custom_vmap`` refuses when
   it is batched.
+
+  Returns:
+    ``(converted, consts, jaxpr)``: ``converted(*args, *consts)`` is ``fn(*args)``;
+    ``jaxpr`` is ``fn``'s, its inputs the leaves of ``example``.
   """
   closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*example)
   in_tree = jax.tree_util.tree_structure(example)
@@ -54,7 +58,7 @@ def hoist(fn: Callable, *example):
     consts = [next(hoisted) if t else c for c, t in zip(closed.consts, traced)]
     run_jaxpr = jax.extend.core.jaxpr_as_fun(jax.extend.core.ClosedJaxpr(closed.jaxpr, consts))
     return jax.tree_util.tree_unflatten(out_tree, run_jaxpr(*flat))
-  return converted, [c for c, t in zip(closed.consts, traced) if t]
+  return converted, [c for c, t in zip(closed.consts, traced) if t], closed
 
 
 def inexact(a) -> bool:
@@ -88,3 +92,62 @@ def batched(tree) -> bool:
   """
   return any(isinstance(a, jax.core.Tracer) and type(a).__name__ == 'BatchTracer'
              for a in jax.tree_util.tree_leaves(tree))
+
+
+_MATMULS = ('dot_general', 'conv_general_dilated', 'ragged_dot_general')
+
+
+def matmul_operands(closed, inputs) -> set:
+  """Which of ``inputs`` (positions in ``closed``'s inputs) reach a matmul with nothing else.
+
+  A value computed from these inputs alone (a weight, transposed, scaled,
+  concatenated with another) that is an operand of a matmul or convolution
+  marks the inputs it came from. Once a value has met anything else (the
+  carry, an activation) it no longer marks. Inside a call whose body cannot be
+  followed (a loop, a conditional), every such input it is given is marked.
+  """
+  marked = set()
+
+  def walk(jaxpr, env):
+    # env: var -> frozenset of the inputs the value comes from alone, or None (it met others)
+    read = lambda v: frozenset() if isinstance(v, jax.extend.core.Literal) else env.get(v)
+    for eqn in jaxpr.eqns:
+      ins = [read(v) for v in eqn.invars]
+      if eqn.primitive.name in _MATMULS:
+        for s in ins[:2]:
+          if s:
+            marked.update(s)
+      body = _body(eqn)
+      if body is not None:
+        outs = walk(body, dict(zip(body.invars, ins)))
+      elif any(isinstance(p, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr))
+               for p in _flat_params(eqn)):
+        for s in ins:
+          marked.update(s or ())
+        outs = [None] * len(eqn.outvars)
+      elif any(s is None for s in ins):
+        outs = [None] * len(eqn.outvars)
+      else:
+        outs = [frozenset().union(*ins)] * len(eqn.outvars)
+      env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+  env = {v: (frozenset([i]) if i in inputs else None) for i, v in enumerate(closed.jaxpr.invars)}
+  env.update({v: frozenset() for v in closed.jaxpr.constvars})
+  walk(closed.jaxpr, env)
+  return marked
+
+
+def _flat_params(eqn):
+  for p in eqn.params.values():
+    yield from (p if isinstance(p, (tuple, list)) else (p,))
+
+
+def _body(eqn):
+  """The one body a call-like equation runs on its inputs in order (jit, checkpoint, scan), or None."""
+  bodies = [p for p in _flat_params(eqn)
+            if isinstance(p, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr))]
+  if len(bodies) != 1:
+    return None
+  body = bodies[0].jaxpr if isinstance(bodies[0], jax.extend.core.ClosedJaxpr) else bodies[0]
+  return body if len(body.invars) == len(eqn.invars) else None

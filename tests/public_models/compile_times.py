@@ -1,7 +1,7 @@
 """Prints docs/own-model.md's compile times: each deep public model's loss gradient, scanned and as ``auto`` lays it out.
 
     PYTHONPATH=. python -m tests.public_models.compile_times [--models vit,lm1b,gemma,gemma3]
-        [--rules full,dots,none] [--target h100] [--variants scan,auto,constant,dynamic]
+        [--rules full,dots,none] [--target h100] [--variants scan,auto,constant,dynamic,rank]
 
 For each model (:func:`tests.public_models.deep_case`, >= 8 layers) and rule:
 the process CPU seconds of lowering and compiling ``jax.value_and_grad`` of the
@@ -9,9 +9,12 @@ stacked loss for the target, and its ``temp``, per variant, ``jax.clear_caches()
 before each: ``scan``, the stack as one scan; ``auto``, the default layout;
 ``constant`` and ``dynamic``, ``auto`` with :mod:`remat.unrolled` reading every
 parameter slice at a constant offset (as before commit b4c4e97) or every one at
-an opaque offset (the variant docs/own-model.md measured and did not adopt). CPU time rather than wall time, so that other work on the machine counts
-less (XLA's GPU compiler also runs ``ptxas`` in child processes, which it does
-not count; on an idle machine the wall times were within 10% of it).
+an opaque offset (the variant docs/own-model.md measured and did not adopt);
+``rank``, ``auto`` with a leaf read in place when it has more than one
+dimension per item (as before matmul operands were found in the block). CPU
+time rather than wall time, so that other work on the machine counts less
+(XLA's GPU compiler also runs ``ptxas`` in child processes, which it does not
+count; on an idle machine the wall times were within 10% of it).
 """
 
 import argparse
@@ -36,7 +39,7 @@ from tests.public_models import deep_case  # noqa: E402
 
 def _take_all(dynamic: bool):
   """``remat.unrolled._Items.take`` with every leaf sliced at a constant, or an opaque, offset."""
-  def take(self, tree, b):
+  def take(self, tree, b, in_place=None):
     out = {}
     for g, t in tree.items():
       first, n, lead = self.span(b, g)
@@ -58,6 +61,8 @@ def compile_time(name: str, rule: str, target, variant: str) -> tuple[float, flo
   remat.layout.AUTO_UNROLL_MAX = 0 if variant == 'scan' else deepest
   if variant in ('constant', 'dynamic'):
     remat.unrolled._Items.take = _take_all(variant == 'dynamic')
+  elif variant == 'rank':
+    remat.unrolled._Items.take = lambda self, tree, b, in_place=None: take(self, tree, b)
   try:
     jax.clear_caches()
     start = time.process_time()
@@ -74,13 +79,13 @@ def main():
   ap.add_argument('--rules', default='full,dots,none')
   ap.add_argument('--target', default='h100')
   ap.add_argument('--variants', default='scan,auto',
-                  help='of scan, auto, constant, dynamic; the first is the ratios\' base')
+                  help='of scan, auto, constant, dynamic, rank; the first is the ratios\' base')
   args = ap.parse_args()
   target, variants = get_target(args.target), args.variants.split(',')
-  unknown = set(variants) - {'scan', 'auto', 'constant', 'dynamic'}
+  unknown = set(variants) - {'scan', 'auto', 'constant', 'dynamic', 'rank'}
   if unknown:
     print(f'compile_times: unknown variants {sorted(unknown)}; valid: scan, auto, constant, '
-          'dynamic', file=sys.stderr)
+          'dynamic, rank', file=sys.stderr)
     sys.exit(2)
   print(f'# loss gradient, {target.name} plan, jax {jax.__version__}; process CPU seconds of '
         f'lowering + compiling (ratio to {variants[0]}); temp in MiB')
