@@ -1,4 +1,4 @@
-"""Saved layer inputs kept in the rows of the stacked gradient that the backward pass writes later.
+"""Values a layer saves for its backward step, kept in stacked gradient rows the backward pass writes later.
 
 In the user's per-block model each layer's weight gradient is an output buffer
 of its own, written when the backward pass reaches that layer, and XLA's buffer
@@ -11,17 +11,18 @@ planned 1.21x its per-block habit on the H100 plan for that reason).
 
 :mod:`remat.unrolled` writes block k's gradient into its rows of each
 accumulator at the end of block k's backward step, after every later block's.
-So a layer input that block b > k keeps for its backward pass can wait in block
-k's rows: :func:`place` plans where (first fit, nearest earlier block first,
-same dtype), :func:`store` writes the inputs there in the forward pass and
-:func:`load` reads one back in block b's backward step, before block k's
-gradient overwrites it. Every row is overwritten by its block's gradient, so the
-gradients are unchanged. Only the block's *input* is stored: storing the matmul
-outputs that ``dots`` and the lean ``none`` keep as well changed no ``dots`` plan
-of the Gemma-style and Gemma 3-style decoders and moved their ``none`` both ways
-(H100 plan: 18.99 -> 19.17 MiB and 30.47 -> 29.58 MiB).
-Values of another dtype than the gradient's (bfloat16 activations beside float32
-parameters) are not stored.
+So a value that block b keeps for its backward step can wait in the rows of
+any block k <= b (its own included: it is read back at the start of the step
+that writes them): :func:`place` plans where, :func:`store` writes the values
+there in the forward pass and :func:`load` reads one back in block b's
+backward step. Every row is overwritten by its block's gradient, so the
+gradients are unchanged. A block under a rule stores whatever it keeps (what
+the rule saves is made anyway: the matmul outputs of ``dots``, the input of
+``full``); a block with no rule only its input, since XLA may fuse its other
+kept values into the backward pass rather than keep them, and storing them
+made plans larger (docs/own-model.md). Values offloaded to host memory, or of
+another dtype than the gradient's (bfloat16 activations beside float32
+parameters), are not stored.
 """
 
 from __future__ import annotations
@@ -43,12 +44,23 @@ class Spot:
   shape: tuple
 
 
-def place(kept: list[list], inputs: list[list], accs: list, rows: list) -> dict:
-  """Plans a spot for each kept block input that fits in an earlier block's gradient rows.
+def place(kept: list[list], inputs: list[list], every: list[bool], accs: list, rows: list) -> dict:
+  """Plans a spot for each kept value that fits in gradient rows its block's backward step reads first.
+
+  Block b's backward step reads its kept values before it writes its own rows,
+  and every earlier block writes later still, so a value kept by block b may
+  wait anywhere in the rows of blocks 0..b of an accumulator of its dtype (a
+  value may span several blocks' rows). Blocks are taken in order, each value at
+  the lowest free offset of the first accumulator where it fits: block b's room
+  is a prefix that only grows with b, so taking them in that order wastes none.
 
   Args:
     kept: per block, the values its backward step reads (None: not kept).
-    inputs: per block, its input's leaves (only those are stored).
+    inputs: per block, its input's leaves.
+    every: per block, whether any value it keeps may wait (a block under a
+      rule: what the rule saves is made anyway) or only its input (a block with
+      no rule, whose other kept values XLA may fuse into the backward pass
+      rather than keep).
     accs: per stacked input leaf, its accumulator's ``jax.ShapeDtypeStruct``
       (None for a leaf without a gradient: integers, keys).
     rows: ``rows[k][i]``: block k's items ``(first, count)`` in leaf i.
@@ -56,35 +68,30 @@ def place(kept: list[list], inputs: list[list], accs: list, rows: list) -> dict:
   Returns:
     ``{(block, position in kept): Spot}``.
   """
-  free = {}   # (block, leaf) -> the next free flat offset in the block's rows of the leaf
+  free = {}   # leaf -> its lowest free flat offset
   spots = {}
-  for b in range(1, len(kept)):
-    for j, value in enumerate(kept[b]):
-      if value is None or not any(value is a for a in inputs[b]) or not _storable(value):
+  for b, values in enumerate(kept):
+    for j, value in enumerate(values):
+      if value is None or not _storable(value) or not (
+          every[b] or any(value is a for a in inputs[b])):
         continue
       size = int(np.prod(jnp.shape(value), dtype=np.int64))
-      spot = _first_fit(b, size, jnp.result_type(value), accs, rows, free)
-      if spot is not None:
-        spots[(b, j)] = Spot(spot[0], spot[1], tuple(jnp.shape(value)))
+      for i, acc in enumerate(accs):
+        if acc is None or acc.dtype != jnp.result_type(value):
+          continue
+        row = int(np.prod(acc.shape[1:], dtype=np.int64))
+        start, end = free.get(i, 0), (rows[b][i][0] + rows[b][i][1]) * row
+        if start + size <= end:
+          free[i] = start + size
+          spots[(b, j)] = Spot(i, start, tuple(jnp.shape(value)))
+          break
   return spots
 
 
 def _storable(value) -> bool:
-  return inexact(value) and jnp.size(value) > 0
-
-
-def _first_fit(b: int, size: int, dtype, accs, rows, free):
-  for k in range(b - 1, -1, -1):   # the nearest earlier block first
-    for i, acc in enumerate(accs):
-      if acc is None or acc.dtype != dtype:
-        continue
-      first, count = rows[k][i]
-      row = int(np.prod(acc.shape[1:], dtype=np.int64))
-      start = free.get((k, i), first * row)
-      if count and start + size <= (first + count) * row:
-        free[(k, i)] = start + size
-        return i, start
-  return None
+  # not a value offloaded to host memory: the accumulators are on the device
+  space = getattr(jax.typeof(value), 'memory_space', jax.memory.Space.Device)
+  return inexact(value) and jnp.size(value) > 0 and space == jax.memory.Space.Device
 
 
 def store(accs: list, kept: list[list], spots: dict) -> tuple[list, list[list]]:

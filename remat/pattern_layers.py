@@ -60,7 +60,8 @@ def run_runs(steps, x, xs, num_layers: int, policy: Policy, pattern: tuple):
     if key not in cache:
       cache[key] = (_run_of(steps[kind], kind, rule or lean_saveable) if length > 1
                     else _layer_of(steps[kind], kind)(rule, False))
-    blocks.append(unrolled.Block(start, length, cache[key], 'rule', rule is not None or length > 1))
+    blocks.append(unrolled.Block(start, length, cache[key], 'rule', rule is not None or length > 1,
+                                  rule is not None))
     start += length
   return unrolled.run(blocks, x, xs, counts)
 

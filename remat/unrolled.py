@@ -64,12 +64,16 @@ class Block:
     recomputes: the backward pass recomputes something of the block (a rule
       or a segment); False for a block with no checkpoint, whose kept values
       XLA may still fuse into the backward pass rather than keep.
+    stores_all: every value the block keeps may wait in gradient rows
+      (:mod:`remat.kept_in_gradients`), as what a rule saves is made anyway;
+      False for a block with no rule, which stores only its input.
   """
   start: int
   length: int
   fn: Callable
   keeps: str = 'rule'
   recomputes: bool = True
+  stores_all: bool = True
 
 
 class _Items:
@@ -135,9 +139,9 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True):
     x: the carry.
     xs: ``{group: inputs stacked [items, ...]}`` (parameters, keys, per-layer inputs).
     counts: ``{group: items of each unit}``, U numbers per group.
-    pack: let the inputs that blocks keep wait in the gradient rows of earlier
-      blocks (:mod:`remat.kept_in_gradients`); False for the references, which
-      stand for the user's own loop.
+    pack: let the values that blocks keep wait in gradient rows written later
+      (:mod:`remat.kept_in_gradients`); False for the references, which stand
+      for the user's own loop.
 
   Returns:
     ``(x, ys)``: ``ys`` is ``{group: outputs stacked [items, ...]}``.
@@ -185,7 +189,7 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True):
 
   def forward(x, xs, consts):
     pieces, kept, layouts = [], [], []
-    inputs = []   # per block, its input's leaves: those it keeps may wait in gradient rows
+    inputs = []   # per block, its input's leaves (what a block with no rule may store)
     for b, w in zip(blocks, which):
       view = items.take(xs, b, in_place)
       inputs.append(jax.tree_util.tree_leaves(x))
@@ -229,12 +233,13 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True):
     meta['layouts'] = layouts
     ys = stack_ys(pieces)
     acc = None
-    if pack:   # the kept block inputs wait in gradient rows written later (remat.kept_in_gradients)
+    if pack:   # kept values wait in gradient rows written later (remat.kept_in_gradients)
       accs = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) if inexact(a) else None
               for a in jax.tree_util.tree_leaves(xs)]
       groups = leaf_groups(xs)
       rows = [[items.span(b, g)[:2] for g in groups] for b in blocks]
-      meta['spots'] = kept_in_gradients.place(kept, inputs, accs, rows)
+      meta['spots'] = kept_in_gradients.place(
+          kept, inputs, [b.stores_all for b in blocks], accs, rows)
       if meta['spots']:
         acc, kept = kept_in_gradients.store(zero_accumulators(xs), kept, meta['spots'])
     return (x, ys), (xs, consts, ys, kept, acc)
@@ -245,7 +250,7 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True):
     ct_x, ct_ys = cts
     xs_leaves, xs_def = jax.tree_util.tree_flatten(xs)
     floats = [inexact(a) for a in xs_leaves]
-    # The gradient accumulators, one per float leaf (holding kept inputs, when the forward pass
+    # The gradient accumulators, one per float leaf (holding kept values, when the forward pass
     # made them), and which leaves are each group's.
     acc = list(acc) if acc is not None else zero_accumulators(xs)
     spots = meta.get('spots', {})

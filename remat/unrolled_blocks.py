@@ -107,11 +107,15 @@ def _part_blocks(unit, start: int, count: int, policy: Policy, layout: str, lean
 
   # A block with no checkpoint recomputes nothing: its kept values stay free for XLA's fusion.
   recomputes = layout != 'unrolled' or rule is not None
+  # Under no rule the kept values are the layer's own intermediates, which XLA may fuse into the
+  # backward pass: storing them too made plans larger (the MLP of tests/test_kept_in_gradients.py,
+  # 'none' unrolled; the issue-34 ViT's 'none' as loops, H100 plan: 14.38 -> 14.79 MiB).
+  stores_all = rule is not None
 
   def one(u, keeps):   # a block of one unit
     key = ('one', id(builder(u)), keeps)
     fn = cache.get(key) or cache.setdefault(key, step(u))
-    return Block(u, 1, fn, keeps, recomputes)
+    return Block(u, 1, fn, keeps, recomputes, stores_all)
 
   def several(s, length, keeps):   # a block of units of the same shape
     key = ('several', length, keeps)
@@ -120,7 +124,7 @@ def _part_blocks(unit, start: int, count: int, policy: Policy, layout: str, lean
         cache[key] = _scanned(step(s, flat=False, keep_rule=rule or lean_saveable))
       else:
         cache[key] = _in_turn(step(s), length)
-    return Block(s, length, cache[key], keeps, recomputes)
+    return Block(s, length, cache[key], keeps, recomputes, stores_all)
 
   if unit_at is not None:
     assert size is None and layout != 'groups', 'units of different kinds: one block each'
@@ -169,7 +173,11 @@ def run(unit, x, xs: dict, counts: dict, num_units: int, policy: Policy, layout:
     blocks += _part_blocks(unit, start, count, part, layout, lean,
                            tail_unit if last else None, unit_at)
     start += count
-  return unrolled.run(blocks, x, xs, counts, pack=lean)
+  # On the CPU a one-iteration loop takes its inputs as operands, not constants, and there storing
+  # kept values in gradient rows made plans larger (the MLP of tests/test_kept_in_gradients.py,
+  # 'loops', 'full': 395200 -> 468928 bytes); the CPU's default layout is the scan anyway.
+  pack = lean and (layout != 'loops' or target_platform() == 'gpu')
+  return unrolled.run(blocks, x, xs, counts, pack=pack)
 
 
 def run_plain(unit, x, xs, num_units: int, policy: Policy, layout: str, lean: bool = True):

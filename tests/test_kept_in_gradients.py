@@ -34,25 +34,34 @@ def _without_storing(monkeypatch):
   monkeypatch.setattr(kept_in_gradients, 'place', lambda *a, **k: {})
 
 
-def test_place_first_fit_in_earlier_blocks_inputs_only():
-  x1, x2, other = jnp.zeros((4, 8)), jnp.zeros((4, 8)), jnp.zeros((4, 8))
+def test_place_lowest_free_offset_in_rows_written_after_the_read():
+  x0, x1, x2, big = (jnp.zeros((4, 8)) for _ in range(4))
   half = jnp.zeros((4, 8), jnp.bfloat16)
   accs = [jax.ShapeDtypeStruct((3, 8, 4), jnp.float32), None]   # rows of 32 floats per block
   rows = [[(0, 1), (0, 1)], [(1, 1), (1, 1)], [(2, 1), (2, 1)]]
-  kept = [[jnp.zeros((4, 8))], [x1, other], [x2, half]]
-  inputs = [[], [x1], [x2, half]]
-  spots = kept_in_gradients.place(kept, inputs, accs, rows)
-  # block 2's input in block 1's rows, block 1's in block 0's; not block 0's own (no earlier
-  # rows), not a kept value that is no input, not a bfloat16 input beside float32 gradients
-  assert spots == {(2, 0): kept_in_gradients.Spot(0, 32, (4, 8)),
-                   (1, 0): kept_in_gradients.Spot(0, 0, (4, 8))}
-  too_big = [[None], [jnp.zeros((5, 8))]]
-  assert kept_in_gradients.place(too_big, [[], [too_big[1][0]]], accs, rows) == {}
+  kept = [[x0, None], [x1, big], [x2, half]]
+  inputs, every = [[x0], [x1], [x2, half]], [False, True, True]
+  spots = kept_in_gradients.place(kept, inputs, every, accs, rows)
+  # block 0's input in its own rows (read before they are written); block 1's input in the rest of
+  # blocks 0..1's rows, where its other value (it has a rule, so any value may wait) finds no room;
+  # block 2's in its own rows; not a bfloat16 value beside float32 gradients, nothing where no
+  # gradient is
+  assert spots == {(0, 0): kept_in_gradients.Spot(0, 0, (4, 8)),
+                   (1, 0): kept_in_gradients.Spot(0, 32, (4, 8)),
+                   (2, 0): kept_in_gradients.Spot(0, 64, (4, 8))}
+  # a value larger than one block's rows spans several, within the rows of blocks 0..b
+  wide = jnp.zeros((12, 8))   # 96 floats: blocks 0..2's rows at once
+  assert kept_in_gradients.place([[None], [None], [wide]], [[]] * 3, [True] * 3, accs, rows) == {
+      (2, 0): kept_in_gradients.Spot(0, 0, (12, 8))}
+  assert kept_in_gradients.place([[None], [wide]], [[]] * 2, [True] * 2, accs, rows) == {}
+  # a block with no rule stores only its input
+  assert kept_in_gradients.place([[x0, x1]], [[x1]], [False], accs, rows) == {
+      (0, 1): kept_in_gradients.Spot(0, 0, (4, 8))}
 
 
 @pytest.mark.parametrize('layout', ['unrolled', 'loops'])
 def test_same_gradients_with_and_without_storing(layout, monkeypatch):
-  for spec in ('full', 'sqrt', 'none'):
+  for spec in ('full', 'dots', 'sqrt', 'none'):
     got = jax.jit(jax.grad(_loss(spec, layout)))(*_args())
     with monkeypatch.context() as m:
       _without_storing(m)
