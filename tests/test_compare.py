@@ -164,6 +164,9 @@ def test_command_line_mistakes_are_one_line(capsys, argv, line):
   assert captured.out == '' and captured.err.splitlines() == [line]
 
 
+# slow: two baselines.compare runs (about 35 s); the fused step itself is in test_fused_update.py
+# and its report table in test_bench_report.py, which stay in the default suite.
+@pytest.mark.slow
 def test_fused_update_rows(tmp_path, capsys):
   argv = ['--model', 'vit', '--config', 'vit-tiny', '--batch-size', '2', '--families', 'none,block']
   plain, _ = _run(tmp_path, capsys, argv)
