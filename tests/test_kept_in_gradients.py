@@ -1,7 +1,8 @@
-"""Saved layer inputs waiting in the stacked gradient's unwritten rows (remat.kept_in_gradients).
+"""Saved values waiting in the stacked gradient's unwritten rows (remat.kept_in_gradients).
 
-The plan: only a block's input, only in rows of an earlier block (nearest first),
-only of the same dtype, and only where it fits. The effect: the same gradients,
+The plan: any value a block under a rule keeps, only the input of a block with
+no rule, in the rows of blocks up to its own (lowest free offset first), only of
+the same dtype, and only where it fits. The effect: the same gradients,
 and a plan no larger than without it, on the CPU backend and on the H100 plan
 (where an earlier version, reading the value straight out of the flat
 accumulator, led XLA to a matmul with a 4 MiB workspace: 4.25 MB of ``temp``
