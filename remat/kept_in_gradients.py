@@ -61,8 +61,8 @@ def place(kept: list[list], inputs: list[list], every: list[bool], accs: list, r
       rule: what the rule saves is made anyway) or only its input (a block with
       no rule, whose other kept values XLA may fuse into the backward pass
       rather than keep).
-    accs: per stacked input leaf, its accumulator's ``jax.ShapeDtypeStruct``
-      (None for a leaf without a gradient: integers, keys).
+    accs: per stacked input leaf, its accumulator (only its shape and dtype are
+      read; None for a leaf without a gradient: integers, keys).
     rows: ``rows[k][i]``: block k's items ``(first, count)`` in leaf i.
 
   Returns:

@@ -160,10 +160,10 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True):
       consts.append(k)
       # the leaves any block's matmuls read (by group, leaf number): Items.take keeps them in place
       group = leaf_groups(view)
+      within = [group[:i].count(g) for i, g in enumerate(group)]   # leaf number in its group
       first = len(jax.tree_util.tree_leaves(shape_x))
       for i in matmul_operands(closed, set(range(first, first + len(group)))):
-        g = group[i - first]
-        in_place.setdefault(g, set()).add(group[:i - first].count(g))
+        in_place.setdefault(group[i - first], set()).add(within[i - first])
     w = seen[key]
     which.append(w)
     shape_x = jax.eval_shape(converted[w], shape_x, view, *consts[w])[0]
@@ -234,14 +234,12 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True):
     ys = stack_ys(pieces)
     acc = None
     if pack:   # kept values wait in gradient rows written later (remat.kept_in_gradients)
-      accs = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) if inexact(a) else None
-              for a in jax.tree_util.tree_leaves(xs)]
-      groups = leaf_groups(xs)
-      rows = [[items.span(b, g)[:2] for g in groups] for b in blocks]
+      zeros = zero_accumulators(xs)   # XLA drops them when nothing is stored
+      rows = [[items.span(b, g)[:2] for g in leaf_groups(xs)] for b in blocks]
       meta['spots'] = kept_in_gradients.place(
-          kept, inputs, [b.stores_all for b in blocks], accs, rows)
+          kept, inputs, [b.stores_all for b in blocks], zeros, rows)
       if meta['spots']:
-        acc, kept = kept_in_gradients.store(zero_accumulators(xs), kept, meta['spots'])
+        acc, kept = kept_in_gradients.store(zeros, kept, meta['spots'])
     return (x, ys), (xs, consts, ys, kept, acc)
 
   def backward(res, cts):

@@ -156,8 +156,8 @@ def run(unit, x, xs: dict, counts: dict, num_units: int, policy: Policy, layout:
     policy: the policy (a mix's parts are laid out in turn; segments count units).
     layout: 'unrolled', 'loops' or 'groups'.
     lean: under ``loops``, keep what :func:`remat.layout.lean_saveable` keeps for ``none``,
-      and keep saved layer inputs in gradient rows written later
-      (:mod:`remat.kept_in_gradients`); False for the references, the user's own loop.
+      and let kept values wait in gradient rows written later (:mod:`remat.kept_in_gradients`;
+      not under ``loops`` on the CPU); False for the references, the user's own loop.
     tail_unit: the last unit's builder when it differs (a pattern's remainder).
     unit_at: ``unit_at(u)``, unit u's own builder, for units of different kinds
       (a pattern's layers, one unit each); ``unit`` is then unused. A per-layer

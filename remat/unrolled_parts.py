@@ -120,8 +120,7 @@ def matmul_operands(closed, inputs) -> set:
       body = _body(eqn)
       if body is not None:
         outs = walk(body, dict(zip(body.invars, ins)))
-      elif any(isinstance(p, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr))
-               for p in _flat_params(eqn)):
+      elif _bodies(eqn):
         for s in ins:
           marked.update(s or ())
         outs = [None] * len(eqn.outvars)
@@ -138,15 +137,15 @@ def matmul_operands(closed, inputs) -> set:
   return marked
 
 
-def _flat_params(eqn):
-  for p in eqn.params.values():
-    yield from (p if isinstance(p, (tuple, list)) else (p,))
+def _bodies(eqn) -> list:
+  """The jaxprs an equation runs (a call's body, a loop's body and condition, a cond's branches)."""
+  params = (q for p in eqn.params.values() for q in (p if isinstance(p, (tuple, list)) else (p,)))
+  return [p for p in params if isinstance(p, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr))]
 
 
 def _body(eqn):
   """The one body a call-like equation runs on its inputs in order (jit, checkpoint, scan), or None."""
-  bodies = [p for p in _flat_params(eqn)
-            if isinstance(p, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr))]
+  bodies = _bodies(eqn)
   if len(bodies) != 1:
     return None
   body = bodies[0].jaxpr if isinstance(bodies[0], jax.extend.core.ClosedJaxpr) else bodies[0]
