@@ -27,6 +27,8 @@ parameters), are not stored.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 
 import jax
@@ -34,6 +36,30 @@ import jax.numpy as jnp
 import numpy as np
 
 from remat.unrolled_parts import inexact
+
+
+_SUSPENDED = contextvars.ContextVar('remat_kept_in_gradients_suspended', default=False)
+
+
+@contextlib.contextmanager
+def suspended():
+  """Stacks traced inside keep their saved values as plain residuals, not in gradient rows.
+
+  For :func:`remat.residuals.saved_residuals`, which names each saved value by
+  where it was made: written into a gradient accumulator it would be one
+  untagged buffer. Where the values wait changes the compiled plan, not what is
+  saved.
+  """
+  token = _SUSPENDED.set(True)
+  try:
+    yield
+  finally:
+    _SUSPENDED.reset(token)
+
+
+def active() -> bool:
+  """Whether saved values may wait in gradient rows here (not inside :func:`suspended`)."""
+  return not _SUSPENDED.get()
 
 
 @dataclasses.dataclass(frozen=True)

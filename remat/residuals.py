@@ -27,6 +27,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from remat import kept_in_gradients
 from remat.layout import CHEAP_PRIMITIVES
 
 # Primitives whose sub-jaxpr outputs line up one-to-one with the equation's outputs.
@@ -152,7 +153,9 @@ def saved_residuals(fn: Callable, params, *args) -> list[Residual]:
     params: the differentiated argument (a pytree; may be abstract).
     *args: further inputs such as the batch (may be abstract); not differentiated.
   """
-  closed = jax.make_jaxpr(lambda p, *a: jax.vjp(lambda q: fn(q, *a), p)[1])(params, *args)
+  # The values as saved, not where they wait: in gradient rows they would be one untagged buffer.
+  with kept_in_gradients.suspended():
+    closed = jax.make_jaxpr(lambda p, *a: jax.vjp(lambda q: fn(q, *a), p)[1])(params, *args)
   jaxpr = closed.jaxpr
   inputs = set(jaxpr.invars)
   num_params = len(jax.tree_util.tree_leaves(params))

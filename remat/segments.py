@@ -40,7 +40,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from remat import shared_outputs
+from remat import shared_outputs, stored_scan
 from remat.layout import lean_saveable
 from remat.policies import Policy
 
@@ -119,6 +119,8 @@ def run_units(unit: Unit, x, xs, num_units: int, policy: Policy):
     shares = shared_outputs.shared_leaves(unit(None, True), x, _first(xs))
     if shares:  # per-layer outputs that are the carry: kept once (remat/shared_outputs.py)
       return shared_outputs.scan(unit(rule, False), x, xs, num_units, shares)
+    if stored_scan.applies(x, xs):   # saved values wait in gradient rows (remat/stored_scan.py)
+      return stored_scan.run(unit(rule, False), x, xs)
     return jax.lax.scan(unit(rule, False), x, xs)
   full, rest = divmod(num_units, size)
   main, tail = _split_stacked(xs, num_units, size)
@@ -129,7 +131,10 @@ def run_units(unit: Unit, x, xs, num_units: int, policy: Policy):
 
   # Segments are a loop even when there is one (a `stage`), so that with
   # CPU_COMPILER_OPTIONS the CPU backend keeps its checkpoint too.
-  x, ys = jax.lax.scan(segment(size, prevent_cse=full == 1), x, main)
+  if full > 1 and stored_scan.applies(x, main):   # a segment's input waits in its gradient rows
+    x, ys = stored_scan.run(segment(size, prevent_cse=False), x, main)
+  else:
+    x, ys = jax.lax.scan(segment(size, prevent_cse=full == 1), x, main)
   ys = jax.tree_util.tree_map(lambda a: a.reshape((full * size,) + a.shape[2:]), ys)
   if rest:
     x, ys_rest = jax.lax.scan(segment(rest, prevent_cse=True), x, _add_axis(tail))

@@ -32,7 +32,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from remat import unrolled
+from remat import kept_in_gradients, unrolled
 from remat.layout import lean_saveable, target_platform
 from remat.policies import Policy, sqrt_segment_size
 from remat.unrolled import Block
@@ -176,7 +176,8 @@ def run(unit, x, xs: dict, counts: dict, num_units: int, policy: Policy, layout:
   # On the CPU a one-iteration loop takes its inputs as operands, not constants, and there storing
   # kept values in gradient rows made plans larger (the MLP of tests/test_kept_in_gradients.py,
   # 'loops', 'full': 395200 -> 468928 bytes); the CPU's default layout is the scan anyway.
-  pack = lean and (layout != 'loops' or target_platform() == 'gpu')
+  pack = (lean and (layout != 'loops' or target_platform() == 'gpu')
+          and kept_in_gradients.active())
   return unrolled.run(blocks, x, xs, counts, pack=pack)
 
 

@@ -1,0 +1,238 @@
+"""A scan over a stack's units whose saved values wait in the rows of the gradient it writes later.
+
+A ``lax.scan`` under a per-layer rule keeps what the rule saves as ``[U, ...]``
+loop outputs, allocated whole before the backward loop, and writes the
+parameters' gradient into ``[U, ...]`` buffers allocated whole too: for a
+while both are live in full. In the user's per-block model each layer's
+gradient is a buffer of its own that XLA lends to other values until it is
+written, which is most of why the per-block ``nn.remat`` habit planned less than
+the scan (issue 34).
+
+:func:`run` gives the scan its own derivative. The forward scan writes each
+unit's saved values into that unit's rows of the gradient accumulators (one
+``[U, row]`` buffer per float parameter leaf, carried through the loop
+and updated in place); a value may span several leaves' rows. The reverse scan
+reads unit u's values back out of its rows at the start of its step and writes
+unit u's gradient over them at its end. Rows of units the reverse scan has not
+reached yet still hold their values; rows it has passed hold gradients. What
+does not fit (a unit's saved values larger than its parameters), and values of
+another dtype than any parameter, stay ``[U, ...]`` loop outputs as in the plain
+scan; a value that is one of the unit's own inputs (a parameter slice) or a
+closed-over value is read again where it lives. The gradients are the plain
+scan's: each unit's backward step is ``jax.vjp`` of the same step.
+
+Like any ``jax.custom_vjp`` it supports reverse-mode differentiation only; the
+stacks call it only where that is what runs (:func:`applies`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from remat import kept_in_gradients
+from remat.kept_in_gradients import _storable
+from remat.unrolled_parts import batched, hoist, inexact, residual_origins, zero_cotangent
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Where each residual leaf of a unit's VJP comes from, and the accumulators in use.
+
+  ``where[j]``: ``('s', n)`` the unit's input leaf n; ``('k', n)`` closed-over
+  value n; ``('a', (((leaf, offset, size), ...), shape))`` pieces in the unit's
+  rows of accumulators (offsets within the row); ``('o', n)`` loop output n.
+  """
+  tree: object
+  where: tuple
+  used: frozenset
+
+
+def applies(x, xs) -> bool:
+  """Whether :func:`run` serves a scan over ``xs``: it has a float leaf to write rows into.
+
+  Inside ``jax.vmap`` the stack keeps JAX's own derivative: a ``custom_vjp``'s
+  backward would run per example and give per-example parameter gradients.
+  Inside :func:`remat.kept_in_gradients.suspended` it is the plain scan.
+  """
+  leaves = jax.tree_util.tree_leaves(xs)
+  rows = any(inexact(a) and np.ndim(a) >= 1 and np.shape(a)[0] > 1 for a in leaves)
+  return rows and kept_in_gradients.active() and not batched((x, xs))
+
+
+def run(step: Callable, x, xs):
+  """``lax.scan(step, x, xs)`` with the derivative above.
+
+  Args:
+    step: ``step(x, xs_u) -> (x, ys_u)``, one unit with its rule's checkpoint
+      inside (``prevent_cse=False`` is safe: the loop stays a loop).
+    x: the carry.
+    xs: per-unit inputs stacked ``[U, ...]`` (parameters, keys, layer inputs).
+
+  Returns:
+    ``(x, ys)`` with ``ys`` stacked ``[U, ...]``.
+  """
+  xs_leaves, xs_def = jax.tree_util.tree_flatten(xs)
+  units = int(np.shape(xs_leaves[0])[0])
+  first = jax.tree_util.tree_unflatten(xs_def, [a[0] for a in xs_leaves])
+  converted, consts, _ = hoist(step, x, first)
+  rows = [int(np.prod(np.shape(a)[1:], dtype=np.int64)) if inexact(a) else 0 for a in xs_leaves]
+
+  def unit(x, v, k):
+    return converted(x, v, *k)
+
+  def residuals(x, v, k):
+    out, pull = jax.vjp(unit, x, v, k)
+    leaves, tree = jax.tree_util.tree_flatten(pull)
+    known = ([(('s', n), a) for n, a in enumerate(jax.tree_util.tree_leaves(v))]
+             + [(('k', n), a) for n, a in enumerate(jax.tree_util.tree_leaves(k))])
+    where, mine = residual_origins(leaves, known)
+    return out, tree, where, mine
+
+  meta = {}   # the forward pass's plan, for the backward pass
+
+  def plain(x, xs, k):
+    return jax.lax.scan(lambda c, v: unit(c, v, k), x, xs)
+
+  def forward(x, xs, k):
+    # Only a differentiated leaf has gradient rows: a frozen one (a LoRA base weight) gets no
+    # gradient, and rows holding saved values would make XLA compute it.
+    grads = [p.perturbed and r > 0 for p, r in zip(jax.tree_util.tree_leaves(
+        xs, is_leaf=_is_primal), rows)]
+    x, xs, k = jax.tree_util.tree_map(lambda p: p.value, (x, xs, k), is_leaf=_is_primal)
+    plan = meta['plan'] = _plan(lambda: residuals(x, first, k), xs_leaves,
+                                [r if g else 0 for r, g in zip(rows, grads)])
+    meta['grads'] = grads
+    accs = [jnp.zeros((units, r), a.dtype) if i in plan.used else None
+            for i, (a, r) in enumerate(zip(xs_leaves, rows))]
+
+    def body(carry, inp):
+      x, accs, k = carry
+      u, v = inp
+      (x, ys), _, _, mine = residuals(x, v, k)
+      accs, others = list(accs), []
+      for (kind, at), value in zip([w for w in plan.where if w[0] in ('a', 'o')], mine):
+        if kind == 'o':
+          others.append(value)
+          continue
+        flat, done = value.reshape(1, -1), 0
+        for leaf, offset, size in at[0]:
+          accs[leaf] = jax.lax.dynamic_update_slice(
+              accs[leaf], flat[:, done:done + size], (u, offset))
+          done += size
+      return (x, accs, k), (ys, others)
+
+    (x, accs, _), (ys, others) = jax.lax.scan(body, (x, accs, k), (jnp.arange(units), xs))
+    return (x, ys), (xs, k, accs, others)
+
+  def backward(res, cts):
+    xs, k, accs, others = res
+    plan, grads = meta['plan'], meta['grads']
+    ct_x, ct_ys = jax.tree_util.tree_map(_materialise, cts, is_leaf=_is_zero)
+    accs = [a if a is not None else (jnp.zeros((units, r), jnp.result_type(l)) if g else None)
+            for a, r, l, g in zip(accs, rows, xs_leaves, grads)]
+    ct_k = [jnp.zeros_like(a) if inexact(a) else None for a in jax.tree_util.tree_leaves(k)]
+
+    def body(carry, inp):
+      ct_x, accs, ct_k, k = carry
+      u, v, ct_y, own = inp
+      v_leaves, k_leaves = jax.tree_util.tree_leaves(v), jax.tree_util.tree_leaves(k)
+      leaves, n_own = [], 0
+      for kind, at in plan.where:
+        if kind == 's':
+          leaves.append(v_leaves[at])
+        elif kind == 'k':
+          leaves.append(k_leaves[at])
+        elif kind == 'o':
+          leaves.append(own[n_own])
+          n_own += 1
+        else:
+          leaves.append(_load(accs, at, u))
+      pull = jax.tree_util.tree_unflatten(plan.tree, leaves)
+      ct_x, ct_v, ct_kk = pull((ct_x, ct_y))
+      accs = list(accs)
+      for i, g in enumerate(jax.tree_util.tree_leaves(ct_v)):
+        if accs[i] is not None:
+          accs[i] = jax.lax.dynamic_update_slice(
+              accs[i], g.reshape(1, -1).astype(accs[i].dtype), (u, 0))
+      ct_k = [None if a is None else a + g for a, g in zip(ct_k, jax.tree_util.tree_leaves(ct_kk))]
+      return (ct_x, accs, ct_k, k), None
+
+    (ct_x, accs, ct_k, _), _ = jax.lax.scan(
+        body, (ct_x, accs, ct_k, k), (jnp.arange(units), xs, ct_ys, others), reverse=True)
+    ct_xs = [a.reshape(np.shape(l)) if a is not None else zero_cotangent(l)
+             for a, l in zip(accs, xs_leaves)]
+    ct_consts = [g if g is not None else zero_cotangent(a)
+                 for g, a in zip(ct_k, jax.tree_util.tree_leaves(k))]
+    return ct_x, jax.tree_util.tree_unflatten(xs_def, ct_xs), ct_consts
+
+  fn = jax.custom_vjp(plain)
+  fn.defvjp(forward, backward, symbolic_zeros=True)
+  return fn(x, xs, consts)
+
+
+def _is_primal(a) -> bool:
+  return isinstance(a, jax.custom_derivatives.CustomVJPPrimal)
+
+
+def _is_zero(a) -> bool:
+  return isinstance(a, jax.custom_derivatives.SymbolicZero)
+
+
+def _materialise(ct):
+  """A cotangent JAX passed as a symbolic zero (an output nobody differentiates), as zeros."""
+  if not _is_zero(ct):
+    return ct
+  dtype = ct.aval.dtype
+  if jnp.issubdtype(dtype, jnp.inexact):
+    return jnp.zeros(ct.aval.shape, dtype)
+  return np.zeros(ct.aval.shape, jax.dtypes.float0)
+
+
+def _plan(trace: Callable, xs_leaves: list, rows: list) -> _Plan:
+  """Traces one unit's VJP and places its saved values in the unit's rows, largest room first."""
+  box = {}
+
+  def shapes():
+    _, tree, where, mine = trace()
+    box['tree'], box['where'] = tree, where
+    box['storable'] = [_storable(a) for a in mine]
+    return mine
+  mine = jax.eval_shape(shapes)
+  free = [0] * len(rows)
+  where, used, others = [], set(), 0
+  for origin in box['where']:
+    if origin[0] != 'r':
+      where.append(origin)
+      continue
+    value = mine[origin[1]]
+    size = int(np.prod(value.shape, dtype=np.int64))
+    fits = [i for i, a in enumerate(xs_leaves)
+            if rows[i] > free[i] and jnp.result_type(a) == value.dtype]
+    if not (box['storable'][origin[1]] and sum(rows[i] - free[i] for i in fits) >= size):
+      where.append(('o', others))
+      others += 1
+      continue
+    pieces, done = [], 0
+    for i in sorted(fits, key=lambda i: free[i] - rows[i]):
+      take = min(size - done, rows[i] - free[i])
+      pieces.append((i, free[i], take))
+      free[i] += take
+      used.add(i)
+      done += take
+      if done == size:
+        break
+    where.append(('a', (tuple(pieces), tuple(value.shape))))
+  return _Plan(box['tree'], tuple(where), frozenset(used))
+
+
+def _load(accs: list, at: tuple, u):
+  """A value stored in unit ``u``'s rows (read before that unit's gradient is written)."""
+  pieces, shape = at
+  parts = [jax.lax.dynamic_slice(accs[leaf], (u, offset), (1, size))
+           for leaf, offset, size in pieces]
+  return (parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)).reshape(shape)

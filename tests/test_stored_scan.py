@@ -1,0 +1,117 @@
+"""The scan whose saved values wait in the gradient rows it writes later (remat.stored_scan).
+
+The same gradients as the plain scan (inside ``kept_in_gradients.suspended()``)
+under every policy family, for the stacked parameters and for a value every
+layer closes over; a smaller CPU plan where the saved values fit in the rows;
+the placement (spanning leaves, a value too large or of another dtype left a
+loop output); and the residual report, which names the values as saved.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from numerics import assert_trees_close
+from remat import kept_in_gradients, scan_layers, stored_scan
+from remat.measuring import step_memory
+from remat.residuals import by_tag, saved_residuals
+
+L, B, D, H = 8, 64, 32, 64
+
+
+def _args():
+  k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+  return ((jax.random.normal(k1, (L, D, H)) * 0.1, jax.random.normal(k2, (L, H, D)) * 0.1),
+          jax.random.normal(jax.random.PRNGKey(1), (B, D)))
+
+
+def _layer(w, h, scale):
+  u = jax.ad_checkpoint.checkpoint_name(h @ w[0], 'up')
+  return h + jnp.tanh(u * scale) @ w[1]
+
+
+def _loss(spec):
+  def loss(params, x, scale):
+    return jnp.mean(scan_layers(_layer, params, x, scale, policy=spec, layout='scan') ** 2)
+  return loss
+
+
+@pytest.mark.parametrize('spec', ['none', 'full', 'dots', 'names:up', 'sqrt', 'seg:2'])
+def test_gradients_equal_the_plain_scan(spec):
+  params, x = _args()
+  scale = jnp.float32(0.7)   # closed over by every layer: its gradient sums the layers'
+  grad = jax.grad(_loss(spec), argnums=(0, 2))
+  stored = grad(params, x, scale)
+  with kept_in_gradients.suspended():
+    plain = grad(params, x, scale)
+  # The same jax.vjp of each layer in both; only where the saved values wait differs, and XLA
+  # may fuse the two programs' elementwise work differently: float32 rounding (numerics.py).
+  assert_trees_close(stored, plain)
+
+
+@pytest.mark.parametrize('spec', ['full', 'dots', 'none'])
+def test_cpu_plan_smaller_than_the_plain_scan(spec):
+  params, x = _args()
+  args = (params, x, jnp.float32(0.7))
+  # a layer's input (B x D = 2048 floats) and its `up` (B x H = 4096) fit in its rows (2 x D x H =
+  # 4096 floats), so they no longer need [L, ...] loop outputs of their own beside the gradient
+  stored = step_memory(_loss(spec), *args, target='cpu').temp
+  with kept_in_gradients.suspended():
+    plain = step_memory(_loss(spec), *args, target='cpu').temp
+  assert stored < plain, (stored, plain)
+
+
+def _where(layer, params, x):
+  """The placement of one unit's saved values (stored_scan's plan) for ``layer(h, w)``."""
+  leaves = jax.tree_util.tree_leaves(params)
+  rows = [a[0].size for a in leaves]
+  first = jax.tree_util.tree_map(lambda a: a[0], params)
+
+  def trace():
+    out, pull = jax.vjp(layer, x, first)
+    got, tree = jax.tree_util.tree_flatten(pull)
+    known = [(('s', n), a) for n, a in enumerate(jax.tree_util.tree_leaves(first))]
+    where, mine = stored_scan.residual_origins(got, known)
+    return out, tree, where, mine
+  return stored_scan._plan(trace, leaves, rows).where
+
+
+def test_plan_spans_leaves_and_leaves_what_does_not_fit():
+  w = (jnp.zeros((L, 4, 6)), jnp.zeros((L, 6, 4)))   # rows of 24 floats in each leaf
+  h = jnp.zeros((5, 4))                               # 20 floats
+  saves = lambda names: jax.checkpoint(
+      lambda h, w: jnp.tanh(jax.ad_checkpoint.checkpoint_name(h @ w[0], 'a')) @ w[1],
+      policy=jax.checkpoint_policies.save_only_these_names(*names))
+  # full: the input (20 floats) in the roomiest leaf's row; the weights are read where they are
+  where = _where(saves(()), w, h)
+  stored = [a for kind, a in where if kind == 'a']
+  assert stored == [(((0, 0, 20),), (5, 4))], where
+  assert {a for kind, a in where if kind == 's'} == {0, 1}
+  # with `a` (30 floats) saved too, the two need 50 floats and the rows hold 48: the first stored
+  # takes the roomiest row and spills into the other, the second finds too little left and stays
+  # a loop output
+  where = _where(saves(('a',)), w, h)
+  kinds = sorted(kind for kind, _ in where if kind in ('a', 'o'))
+  assert kinds == ['a', 'o'], where
+  # a bfloat16 value beside float32 gradients stays a loop output
+  half = lambda h, w: jax.checkpoint(lambda h, w: jnp.tanh(h.astype(jnp.bfloat16) @ w[0].astype(
+      jnp.bfloat16)).astype(jnp.float32) @ w[1], policy=jax.checkpoint_policies.nothing_saveable)(
+          h.astype(jnp.bfloat16), w)
+  assert all(kind != 'a' for kind, _ in _where(half, w, h)), _where(half, w, h)
+
+
+def test_residual_report_names_the_values_as_saved():
+  params, x = _args()
+  names = by_tag(saved_residuals(_loss('names:up'), params, x, jnp.float32(0.7)))
+  assert names.get('up') == L * B * H * 4, names
+
+
+def test_not_used_inside_vmap_or_for_one_unit():
+  params, x = _args()
+  assert stored_scan.applies(x, params)
+  assert not stored_scan.applies(x, jax.tree_util.tree_map(lambda a: a[:1], params))
+  seen = []
+  jax.vmap(lambda x: seen.append(stored_scan.applies(x, params)) or x)(x)
+  assert seen == [False]
+  with kept_in_gradients.suspended():
+    assert not stored_scan.applies(x, params)
