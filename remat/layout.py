@@ -144,8 +144,8 @@ LAYOUT_HELP = {
     'auto': 'scan on CPU; on a GPU, in a stack of <= 8 units: unrolled for a '
             'per-layer rule, loops for none and patterns, but the scan for none and full where a '
             'layer runs a loop of its own; else scan (docs/own-model.md)',
-    'scan': 'one lax.scan over the layers: compiled once, whatever N; what the rule saves waits in '
-            'the gradient rows the backward pass writes later',
+    'scan': 'one lax.scan over the layers: compiled once, whatever N; on a GPU what the rule saves '
+            'waits in the gradient rows the backward pass writes later',
     'unrolled': 'a Python loop, each layer in jax.checkpoint with the rule (the per-block habit; '
                 'GPU), gradients written into the stacked parameters in place',
     'loops': 'as unrolled, each layer in a loop of one iteration (the XLA CPU backend keeps its '

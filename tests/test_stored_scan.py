@@ -1,10 +1,12 @@
 """The scan whose saved values wait in the gradient rows it writes later (remat.stored_scan).
 
-The same gradients as the plain scan (inside ``kept_in_gradients.suspended()``)
-under every policy family, for the stacked parameters and for a value every
-layer closes over; a smaller CPU plan where the saved values fit in the rows;
-the placement (spanning leaves, a value too large or of another dtype left a
-loop output); and the residual report, which names the values as saved.
+It serves GPU targets: the gradient tests trace for one (``compiling_for('gpu')``)
+and run on the CPU. The same gradients as the plain scan (inside
+``kept_in_gradients.suspended()``) under every policy family, for the stacked
+parameters and for a value every layer closes over; a smaller H100 plan where the
+saved values fit in the rows; the placement (spanning leaves, a value too large
+or of another dtype left a loop output); the residual report, which names the
+values as saved; and where it is not used (CPU, vmap, one unit).
 """
 
 import jax
@@ -13,6 +15,7 @@ import pytest
 
 from numerics import assert_trees_close
 from remat import kept_in_gradients, scan_layers, stored_scan
+from remat.layout import compiling_for
 from remat.measuring import step_memory
 from remat.residuals import by_tag, saved_residuals
 
@@ -40,8 +43,10 @@ def _loss(spec):
 def test_gradients_equal_the_plain_scan(spec):
   params, x = _args()
   scale = jnp.float32(0.7)   # closed over by every layer: its gradient sums the layers'
-  grad = jax.grad(_loss(spec), argnums=(0, 2))
-  stored = grad(params, x, scale)
+  grad = jax.grad(_loss(spec), argnums=(0, 2))   # not jitted: each call traces under its context
+  with compiling_for('gpu'):
+    assert stored_scan.applies(x, params)
+    stored = grad(params, x, scale)
   with kept_in_gradients.suspended():
     plain = grad(params, x, scale)
   # The same jax.vjp of each layer in both; only where the saved values wait differs, and XLA
@@ -49,15 +54,16 @@ def test_gradients_equal_the_plain_scan(spec):
   assert_trees_close(stored, plain)
 
 
+@pytest.mark.gpu_plan
 @pytest.mark.parametrize('spec', ['full', 'dots', 'none'])
-def test_cpu_plan_smaller_than_the_plain_scan(spec):
+def test_h100_plan_smaller_than_the_plain_scan(spec):
   params, x = _args()
   args = (params, x, jnp.float32(0.7))
   # a layer's input (B x D = 2048 floats) and its `up` (B x H = 4096) fit in its rows (2 x D x H =
   # 4096 floats), so they no longer need [L, ...] loop outputs of their own beside the gradient
-  stored = step_memory(_loss(spec), *args, target='cpu').temp
+  stored = step_memory(_loss(spec), *args, target='h100').temp
   with kept_in_gradients.suspended():
-    plain = step_memory(_loss(spec), *args, target='cpu').temp
+    plain = step_memory(_loss(spec), *args, target='h100').temp
   assert stored < plain, (stored, plain)
 
 
@@ -102,16 +108,20 @@ def test_plan_spans_leaves_and_leaves_what_does_not_fit():
 
 def test_residual_report_names_the_values_as_saved():
   params, x = _args()
-  names = by_tag(saved_residuals(_loss('names:up'), params, x, jnp.float32(0.7)))
+  with compiling_for('gpu'):
+    names = by_tag(saved_residuals(_loss('names:up'), params, x, jnp.float32(0.7)))
   assert names.get('up') == L * B * H * 4, names
 
 
-def test_not_used_inside_vmap_or_for_one_unit():
+def test_not_used_on_the_cpu_inside_vmap_or_for_one_unit():
   params, x = _args()
-  assert stored_scan.applies(x, params)
-  assert not stored_scan.applies(x, jax.tree_util.tree_map(lambda a: a[:1], params))
-  seen = []
-  jax.vmap(lambda x: seen.append(stored_scan.applies(x, params)) or x)(x)
-  assert seen == [False]
-  with kept_in_gradients.suspended():
+  with compiling_for('cpu'):
     assert not stored_scan.applies(x, params)
+  with compiling_for('gpu'):
+    assert stored_scan.applies(x, params)
+    assert not stored_scan.applies(x, jax.tree_util.tree_map(lambda a: a[:1], params))
+    seen = []
+    jax.vmap(lambda x: seen.append(stored_scan.applies(x, params)) or x)(x)
+    assert seen == [False]
+    with kept_in_gradients.suspended():
+      assert not stored_scan.applies(x, params)
