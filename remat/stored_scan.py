@@ -11,13 +11,14 @@ the scan (issue 34).
 :func:`run` gives the scan its own derivative. The forward scan writes each
 unit's saved values into that unit's rows of the gradient accumulators (one
 ``[U, row]`` buffer per float parameter leaf, carried through the loop
-and updated in place); a value may span several leaves' rows. The reverse scan
+and updated in place); a value may span several leaves' rows of one dtype, and
+a value of another float dtype is stored as its bits (bfloat16 activations in
+float32 gradient rows, two to an element). The reverse scan
 reads unit u's values back out of its rows at the start of its step and writes
 unit u's gradient over them at its end. Rows of units the reverse scan has not
 reached yet still hold their values; rows it has passed hold gradients. What
-does not fit (a unit's saved values larger than its parameters), and values of
-another dtype than any parameter, stay ``[U, ...]`` loop outputs as in the plain
-scan; a value that is one of the unit's own inputs (a parameter slice) or a
+does not fit (a unit's saved values larger than its parameters) stays a
+``[U, ...]`` loop output as in the plain scan; a value that is one of the unit's own inputs (a parameter slice) or a
 closed-over value is read again where it lives. The gradients are the plain
 scan's: each unit's backward step is ``jax.vjp`` of the same step.
 
@@ -45,8 +46,9 @@ class _Plan:
   """Where each residual leaf of a unit's VJP comes from, and the accumulators in use.
 
   ``where[j]``: ``('s', n)`` the unit's input leaf n; ``('k', n)`` closed-over
-  value n; ``('a', (((leaf, offset, size), ...), shape))`` pieces in the unit's
-  rows of accumulators (offsets within the row); ``('o', n)`` loop output n.
+  value n; ``('a', (((leaf, offset, size), ...), shape, dtype))`` pieces in the
+  unit's rows of accumulators of one dtype (offsets within the row; the value's
+  bits where that dtype is another); ``('o', n)`` loop output n.
   """
   tree: object
   where: tuple
@@ -125,7 +127,7 @@ def run(step: Callable, x, xs):
         if kind == 'o':
           others.append(value)
           continue
-        flat, done = value.reshape(1, -1), 0
+        flat, done = _to_bits(value, accs[at[0][0][0]].dtype).reshape(1, -1), 0
         for leaf, offset, size in at[0]:
           accs[leaf] = jax.lax.dynamic_update_slice(
               accs[leaf], flat[:, done:done + size], (u, offset))
@@ -216,13 +218,23 @@ def _plan(trace: Callable, xs_leaves: list, rows: list) -> _Plan:
       where.append(origin)
       continue
     value = mine[origin[1]]
-    size = int(np.prod(value.shape, dtype=np.int64))
-    fits = [i for i, a in enumerate(xs_leaves)
-            if rows[i] > free[i] and jnp.result_type(a) == value.dtype]
-    if not (box['storable'][origin[1]] and sum(rows[i] - free[i] for i in fits) >= size):
+    count = int(np.prod(value.shape, dtype=np.int64))
+    spot = None
+    # the accumulators of one dtype, the value's own first, then any other float dtype whose
+    # elements hold a whole number of the value's (or the reverse): stored as their bit pattern
+    for dtype in sorted({jnp.result_type(a) for a in xs_leaves if inexact(a)},
+                        key=lambda d: d != value.dtype):
+      size = _elements(count, value.dtype, dtype)
+      fits = [i for i, a in enumerate(xs_leaves)
+              if rows[i] > free[i] and jnp.result_type(a) == dtype]
+      if size is not None and sum(rows[i] - free[i] for i in fits) >= size:
+        spot = (dtype, size, fits)
+        break
+    if not box['storable'][origin[1]] or spot is None:
       where.append(('o', others))
       others += 1
       continue
+    dtype, size, fits = spot
     pieces, done = [], 0
     for i in sorted(fits, key=lambda i: free[i] - rows[i]):
       take = min(size - done, rows[i] - free[i])
@@ -232,13 +244,50 @@ def _plan(trace: Callable, xs_leaves: list, rows: list) -> _Plan:
       done += take
       if done == size:
         break
-    where.append(('a', (tuple(pieces), tuple(value.shape))))
+    where.append(('a', (tuple(pieces), tuple(value.shape), value.dtype)))
   return _Plan(box['tree'], tuple(where), frozenset(used))
 
 
 def _load(accs: list, at: tuple, u):
   """A value stored in unit ``u``'s rows (read before that unit's gradient is written)."""
-  pieces, shape = at
+  pieces, shape, dtype = at
   parts = [jax.lax.dynamic_slice(accs[leaf], (u, offset), (1, size))
            for leaf, offset, size in pieces]
-  return (parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)).reshape(shape)
+  flat = (parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)).reshape(-1)
+  return _from_bits(flat, dtype, shape)
+
+
+def _elements(count: int, dtype, acc_dtype) -> int | None:
+  """How many ``acc_dtype`` elements hold ``count`` of ``dtype`` (None: sizes that do not divide)."""
+  size, acc = np.dtype(dtype).itemsize, np.dtype(acc_dtype).itemsize
+  if not (jnp.issubdtype(dtype, jnp.floating) and jnp.issubdtype(acc_dtype, jnp.floating)):
+    return count if np.dtype(dtype) == np.dtype(acc_dtype) else None
+  if acc >= size and acc % size == 0:
+    return -(-count // (acc // size))
+  if size % acc == 0:
+    return count * (size // acc)
+  return None
+
+
+def _to_bits(value, acc_dtype):
+  """``value`` flat, as ``acc_dtype`` elements holding its bits (padded to a whole element)."""
+  flat = value.reshape(-1)
+  size, acc = value.dtype.itemsize, np.dtype(acc_dtype).itemsize
+  if value.dtype == acc_dtype:
+    return flat
+  if acc > size:
+    per = acc // size
+    flat = jnp.pad(flat, (0, -flat.size % per))
+    return jax.lax.bitcast_convert_type(flat.reshape(-1, per), acc_dtype)
+  return jax.lax.bitcast_convert_type(flat, acc_dtype).reshape(-1)
+
+
+def _from_bits(flat, dtype, shape):
+  """The value of ``dtype`` and ``shape`` whose bits :func:`_to_bits` wrote into ``flat``."""
+  count = int(np.prod(shape, dtype=np.int64))
+  size, acc = np.dtype(dtype).itemsize, flat.dtype.itemsize
+  if flat.dtype == dtype:
+    return flat.reshape(shape)
+  if acc > size:
+    return jax.lax.bitcast_convert_type(flat, dtype).reshape(-1)[:count].reshape(shape)
+  return jax.lax.bitcast_convert_type(flat.reshape(-1, size // acc), dtype).reshape(shape)

@@ -91,7 +91,7 @@ def test_plan_spans_leaves_and_leaves_what_does_not_fit():
   # full: the input (20 floats) in the roomiest leaf's row; the weights are read where they are
   where = _where(saves(()), w, h)
   stored = [a for kind, a in where if kind == 'a']
-  assert stored == [(((0, 0, 20),), (5, 4))], where
+  assert stored == [(((0, 0, 20),), (5, 4), jnp.float32)], where
   assert {a for kind, a in where if kind == 's'} == {0, 1}
   # with `a` (30 floats) saved too, the two need 50 floats and the rows hold 48: the first stored
   # takes the roomiest row and spills into the other, the second finds too little left and stays
@@ -99,11 +99,35 @@ def test_plan_spans_leaves_and_leaves_what_does_not_fit():
   where = _where(saves(('a',)), w, h)
   kinds = sorted(kind for kind, _ in where if kind in ('a', 'o'))
   assert kinds == ['a', 'o'], where
-  # a bfloat16 value beside float32 gradients stays a loop output
-  half = lambda h, w: jax.checkpoint(lambda h, w: jnp.tanh(h.astype(jnp.bfloat16) @ w[0].astype(
-      jnp.bfloat16)).astype(jnp.float32) @ w[1], policy=jax.checkpoint_policies.nothing_saveable)(
-          h.astype(jnp.bfloat16), w)
-  assert all(kind != 'a' for kind, _ in _where(half, w, h)), _where(half, w, h)
+  # a bfloat16 value beside float32 gradients is stored as its bits: 21 values in 11 elements
+  half = jax.checkpoint(lambda h, w: jnp.tanh(h @ w[0].astype(jnp.bfloat16)).astype(
+      jnp.float32) @ w[1], policy=jax.checkpoint_policies.nothing_saveable)
+  odd = jnp.zeros((3, 7), jnp.bfloat16)
+  stored = [a for kind, a in _where(half, (jnp.zeros((L, 7, 6)), w[1]), odd) if kind == 'a']
+  assert stored == [(((0, 0, 11),), (3, 7), jnp.bfloat16)], stored
+
+
+@pytest.mark.parametrize('dtype,acc,elements', [(jnp.bfloat16, jnp.float32, 8),
+                                                 (jnp.float16, jnp.float32, 8),
+                                                 (jnp.float32, jnp.bfloat16, 30)])
+def test_bits_round_trip(dtype, acc, elements):
+  value = jax.random.normal(jax.random.PRNGKey(3), (3, 5)).astype(dtype)   # 15 values: odd
+  bits = stored_scan._to_bits(value, acc)
+  assert bits.dtype == acc and bits.size == elements == stored_scan._elements(15, dtype, acc)
+  back = stored_scan._from_bits(bits, dtype, (3, 5))
+  assert back.dtype == dtype and bool(jnp.all(back == value))
+
+
+def test_gradients_equal_with_bfloat16_activations():
+  params, x = _args()
+  layer = lambda w, h: h + (jnp.tanh(h.astype(jnp.bfloat16) @ w[0].astype(jnp.bfloat16))
+                            @ w[1].astype(jnp.bfloat16)).astype(jnp.float32)
+  loss = lambda p, x: jnp.mean(scan_layers(layer, p, x, policy='dots', layout='scan') ** 2)
+  with compiling_for('gpu'):
+    stored = jax.grad(loss)(params, x)
+  with kept_in_gradients.suspended():
+    plain = jax.grad(loss)(params, x)
+  assert_trees_close(stored, plain)
 
 
 def test_residual_report_names_the_values_as_saved():
