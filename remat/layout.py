@@ -143,7 +143,8 @@ LAYOUTS = ('auto', 'scan', 'unrolled', 'loops', 'groups')
 LAYOUT_HELP = {
     'auto': 'scan on CPU; on a GPU, in a stack of <= 8 units: unrolled for a '
             'per-layer rule, loops for none and patterns, but the scan for none and full where a '
-            'layer runs a loop of its own; else scan (docs/own-model.md)',
+            'layer runs a loop of its own or (one kind of layer, outside vmap) always; else scan '
+            '(docs/own-model.md)',
     'scan': 'one lax.scan over the layers: compiled once, whatever N; on a GPU what the rule saves '
             'waits in the gradient rows the backward pass writes later',
     'unrolled': 'a Python loop, each layer in jax.checkpoint with the rule (the per-block habit; '
@@ -191,7 +192,8 @@ AUTO_UNROLL_MAX = 8
 
 def choose_layout(policy, num_units: int,
                   platform: str | None = None, pattern: bool = False,
-                  inner_loop: bool | Callable[[], bool] = False) -> str:
+                  inner_loop: bool | Callable[[], bool] = False,
+                  stored: bool | Callable[[], bool] = False) -> str:
   """The layout ``'auto'`` stands for (measured in docs/own-model.md).
 
   The scan on the CPU backend (which drops checkpoints in straight-line
@@ -205,6 +207,13 @@ def choose_layout(policy, num_units: int,
   dominate and either layout can win on such a model (``dots``: our tiny GPT
   51.79 MiB scanned against 59.92 unrolled, our llama-tiny 54.05 against
   50.77), so there the layout does not depend on it: the per-block habit.
+
+  Under ``none`` and ``full``, in a stack with one kind of layer, it is the scan
+  too where the scan keeps its saved values in gradient rows (``stored``:
+  :func:`remat.stored_scan.applies`; not inside ``jax.vmap``): there it plans
+  below both yardsticks on the public models, compiled once where the unrolled
+  layers compiled 2.1-2.7x as slowly (the issue-34 ViT, ``full``, H100 plan:
+  4.01 MiB against 3.78 unrolled and 4.52 per-block; docs/own-model.md).
 
   Otherwise, on a GPU, the layers become :mod:`remat.unrolled`'s Python loop,
   which frees each layer's saved values after its backward step where the scan
@@ -227,12 +236,17 @@ def choose_layout(policy, num_units: int,
     pattern: the stack has a pattern of layer kinds.
     inner_loop: whether a layer runs a loop (or a function that says so, called
       only when the answer matters: it traces the layer).
+    stored: whether the scan would keep its saved values in gradient rows (or a
+      function that says so, called only when the answer matters).
   """
   platform = platform or target_platform()
   if (platform != 'gpu' or policy.mixed or policy.segmented
       or num_units > AUTO_UNROLL_MAX):
     return 'scan'
   if policy.rule in ('none', 'full') and (inner_loop() if callable(inner_loop) else inner_loop):
+    return 'scan'
+  if (not pattern and policy.rule in ('none', 'full')
+      and (stored() if callable(stored) else stored)):
     return 'scan'
   if pattern or policy.rule == 'none':
     return 'loops'
@@ -261,9 +275,10 @@ def has_loop(fn: Callable, *args) -> bool:
 
 
 def resolve_layout(layout: str, policy, num_units: int,
-                   pattern: bool = False, inner_loop: bool | Callable[[], bool] = False) -> str:
+                   pattern: bool = False, inner_loop: bool | Callable[[], bool] = False,
+                   stored: bool | Callable[[], bool] = False) -> str:
   """``layout``, with ``'auto'`` replaced by :func:`choose_layout`'s choice."""
   check_layout(layout)
   if layout != 'auto':
     return layout
-  return choose_layout(policy, num_units, pattern=pattern, inner_loop=inner_loop)
+  return choose_layout(policy, num_units, pattern=pattern, inner_loop=inner_loop, stored=stored)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from remat.policies import Policy, sqrt_segment_size
-from remat import pattern_layers, unrolled_blocks
+from remat import pattern_layers, stored_scan, unrolled_blocks
 from remat.layout import active_reference, has_loop, lean_saveable, resolve_layout
 from remat.segments import Unit, checkpointed, layer_unit, run_units
 from remat.stack_checks import StackSignatureError
@@ -182,7 +182,8 @@ def run_stack(steps: Callable | Mapping[Hashable, Callable], x, xs, num_layers: 
   lean = True
   layout = resolve_layout(layout, policy, num_units(pattern, num_layers),
                           pattern=pattern is not None,
-                          inner_loop=lambda: _inner_loop(steps, x, xs, pattern))
+                          inner_loop=lambda: _inner_loop(steps, x, xs, pattern),
+                          stored=lambda: stored_scan.applies(x, xs))
   reference = active_reference()
   if reference is not None:   # a yardstick: the user's loop, per-layer checkpoints of its rule
     policy, layout, lean = reference, 'unrolled', False

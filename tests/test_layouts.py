@@ -69,7 +69,8 @@ def test_auto_is_the_scan_on_cpu():
 
 def test_auto_on_a_gpu_per_rule_pattern_and_inner_loop():
   """On a GPU plan: unrolled for a per-layer rule, loops for none and patterns, the scan for none and
-  full where a layer has a loop of its own (docs/own-model.md has the measurements behind each)."""
+  full where a layer has a loop of its own or the scan stores its saved values in gradient rows
+  (docs/own-model.md has the measurements behind each)."""
   pick = lambda spec, **kw: choose_layout(get_policy(spec), N, platform='gpu', **kw)
   assert [pick(s) for s in ('full', 'dots', 'names:fc1', 'none')] == \
       ['unrolled', 'unrolled', 'unrolled', 'loops']
@@ -79,6 +80,11 @@ def test_auto_on_a_gpu_per_rule_pattern_and_inner_loop():
     assert pick(spec, pattern=True, inner_loop=lambda: True) == 'scan'
   assert pick('dots', inner_loop=True) == 'unrolled'
   assert pick('dots', pattern=True, inner_loop=True) == 'loops'
+  # where the scan keeps its saved values in gradient rows (one kind of layer, outside vmap):
+  # the scan for none and full, not for a rule that keeps matmul outputs or a pattern
+  assert [pick(s, stored=True) for s in ('full', 'none', 'dots', 'names:fc1')] == \
+      ['scan', 'scan', 'unrolled', 'unrolled']
+  assert [pick(s, pattern=True, stored=lambda: True) for s in ('full', 'none')] == ['loops'] * 2
   asked = []
   assert choose_layout(get_policy('full'), N, platform='cpu',
                        inner_loop=lambda: asked.append(1) or True) == 'scan'
