@@ -121,7 +121,10 @@ def run(step: Callable, x, xs):
     def body(carry, inp):
       x, accs, k = carry
       u, v = inp
-      (x, ys), _, _, mine = residuals(x, v, k)
+      (x, ys), _, where, mine = residuals(x, v, k)
+      # the body's residuals must line up with the plan traced outside the loop
+      assert [w if w[0] in 'sk' else 'r' for w in where] == [
+          w if w[0] in 'sk' else 'r' for w in plan.where], where
       accs, others = list(accs), []
       for (kind, at), value in zip([w for w in plan.where if w[0] in ('a', 'o')], mine):
         if kind == 'o':

@@ -149,3 +149,16 @@ def test_not_used_on_the_cpu_inside_vmap_or_for_one_unit():
     assert seen == [False]
     with kept_in_gradients.suspended():
       assert not stored_scan.applies(x, params)
+
+
+def test_public_model_gradients_equal_the_plain_scan():
+  # a model written by others under the lean rule of `none`, which saves the most kinds of value
+  from tests.public_models import deep_case
+  case = deep_case('gemma')
+  stacked = case.stack(case.params)
+  loss = lambda: jax.grad(case.stacked('none'))(stacked, case.batch)
+  with compiling_for('gpu'):   # auto: the scan, its saved values in gradient rows
+    stored = loss()
+  with compiling_for('cpu'):   # auto: the plain scan
+    plain = loss()
+  assert_trees_close(stored, plain)
