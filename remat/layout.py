@@ -141,9 +141,9 @@ def unrolled_active() -> bool:
 # 'auto' picks one of the others per target and policy (choose_layout).
 LAYOUTS = ('auto', 'scan', 'unrolled', 'loops', 'groups')
 LAYOUT_HELP = {
-    'auto': 'scan on CPU; on a GPU, in a stack of <= 8 units: unrolled for a '
-            'per-layer rule, loops for none and patterns, but the scan for none and full where a '
-            'layer runs a loop of its own or (one kind of layer, outside vmap) always; else scan '
+    'auto': 'scan on CPU; on a GPU, in a stack of <= 8 units: the scan for none and full in a '
+            'stack of one layer kind outside vmap or where a layer runs a loop of its own, else '
+            'unrolled for a per-layer rule and loops for none and patterns; deeper: scan '
             '(docs/own-model.md)',
     'scan': 'one lax.scan over the layers: compiled once, whatever N; on a GPU what the rule saves '
             'waits in the gradient rows the backward pass writes later',

@@ -21,6 +21,10 @@ per-layer rule to *each layer inside it*. The policy decides the loop nest:
 * a mix (``4xfull+none``): consecutive runs of units, each as above under its
   own part.
 
+On a GPU plan the per-layer scan and the scan over segments keep what they
+save in the gradient rows their backward loop writes later
+(:mod:`remat.stored_scan`); the gradients are the plain scan's.
+
 Nothing else wraps a unit, so a rule is never overridden by an outer
 checkpoint: a pattern's repeat under ``full`` saves what ``full`` saves for
 each of its layers, exactly as the same layers would without the pattern.
