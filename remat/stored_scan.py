@@ -38,7 +38,8 @@ import numpy as np
 from remat import kept_in_gradients
 from remat.kept_in_gradients import _storable
 from remat.layout import target_platform
-from remat.unrolled_parts import batched, hoist, inexact, residual_origins, zero_cotangent
+from remat.unrolled_parts import (batched, hoist, inexact, materialise, primal_values,
+                                  residual_origins, zero_cotangent)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +110,9 @@ def run(step: Callable, x, xs):
   def forward(x, xs, k):
     # Only a differentiated leaf has gradient rows: a frozen one (a LoRA base weight) gets no
     # gradient, and rows holding saved values would make XLA compute it.
-    grads = [p.perturbed and r > 0 for p, r in zip(jax.tree_util.tree_leaves(
-        xs, is_leaf=_is_primal), rows)]
-    x, xs, k = jax.tree_util.tree_map(lambda p: p.value, (x, xs, k), is_leaf=_is_primal)
+    (x, xs, k), flags = primal_values((x, xs, k))
+    flags = flags[len(jax.tree_util.tree_leaves(x)):][:len(rows)]
+    grads = [f and r > 0 for f, r in zip(flags, rows)]
     plan = meta['plan'] = _plan(lambda: residuals(x, first, k), xs_leaves,
                                 [r if g else 0 for r, g in zip(rows, grads)])
     meta['grads'] = grads
@@ -143,7 +144,7 @@ def run(step: Callable, x, xs):
   def backward(res, cts):
     xs, k, accs, others = res
     plan, grads = meta['plan'], meta['grads']
-    ct_x, ct_ys = jax.tree_util.tree_map(_materialise, cts, is_leaf=_is_zero)
+    ct_x, ct_ys = materialise(cts)
     accs = [a if a is not None else (jnp.zeros((units, r), jnp.result_type(l)) if g else None)
             for a, r, l, g in zip(accs, rows, xs_leaves, grads)]
     ct_k = [jnp.zeros_like(a) if inexact(a) else None for a in jax.tree_util.tree_leaves(k)]
@@ -184,24 +185,6 @@ def run(step: Callable, x, xs):
   fn = jax.custom_vjp(plain)
   fn.defvjp(forward, backward, symbolic_zeros=True)
   return fn(x, xs, consts)
-
-
-def _is_primal(a) -> bool:
-  return isinstance(a, jax.custom_derivatives.CustomVJPPrimal)
-
-
-def _is_zero(a) -> bool:
-  return isinstance(a, jax.custom_derivatives.SymbolicZero)
-
-
-def _materialise(ct):
-  """A cotangent JAX passed as a symbolic zero (an output nobody differentiates), as zeros."""
-  if not _is_zero(ct):
-    return ct
-  dtype = ct.aval.dtype
-  if jnp.issubdtype(dtype, jnp.inexact):
-    return jnp.zeros(ct.aval.shape, dtype)
-  return np.zeros(ct.aval.shape, jax.dtypes.float0)
 
 
 def _plan(trace: Callable, xs_leaves: list, rows: list) -> _Plan:

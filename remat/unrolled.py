@@ -42,8 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from remat import kept_in_gradients
-from remat.unrolled_parts import (barrier, batched, hoist, inexact, matmul_operands,
-                                  residual_origins, zero_cotangent)
+from remat.unrolled_parts import (barrier, batched, hoist, inexact, materialise, matmul_operands,
+                                  primal_values, residual_origins, zero_cotangent)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +188,12 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True):
     return x, stack_ys(pieces)
 
   def forward(x, xs, consts):
+    # Only a differentiated leaf gets gradient rows: a frozen one (a LoRA base weight) gets no
+    # gradient, and rows holding kept values would make XLA compute it (a frozen [8, 256, 256]
+    # weight beside its adapter, full, H100 plan: 3.41 -> 5.25 MB of temp).
+    (x, xs, consts), flags = primal_values((x, xs, consts))
+    first = len(jax.tree_util.tree_leaves(x))
+    meta['grads'] = flags[first:first + len(jax.tree_util.tree_leaves(xs))]
     pieces, kept, layouts = [], [], []
     inputs = []   # per block, its input's leaves (what a block with no rule may store)
     for b, w in zip(blocks, which):
@@ -234,7 +240,7 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True):
     ys = stack_ys(pieces)
     acc = None
     if pack:   # kept values wait in gradient rows written later (remat.kept_in_gradients)
-      zeros = zero_accumulators(xs)   # XLA drops them when nothing is stored
+      zeros = _differentiated(zero_accumulators(xs))   # XLA drops them when nothing is stored
       rows = [[items.span(b, g)[:2] for g in leaf_groups(xs)] for b in blocks]
       meta['spots'] = kept_in_gradients.place(
           kept, inputs, [b.stores_all for b in blocks], zeros, rows)
@@ -245,12 +251,12 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True):
   def backward(res, cts):
     xs, consts, ys, kept, acc = res
     kept = list(kept)
-    ct_x, ct_ys = cts
+    ct_x, ct_ys = materialise(cts)
     xs_leaves, xs_def = jax.tree_util.tree_flatten(xs)
     floats = [inexact(a) for a in xs_leaves]
     # The gradient accumulators, one per float leaf (holding kept values, when the forward pass
     # made them), and which leaves are each group's.
-    acc = list(acc) if acc is not None else zero_accumulators(xs)
+    acc = list(acc) if acc is not None else _differentiated(zero_accumulators(xs))
     spots = meta.get('spots', {})
     groups = leaf_groups(xs)
     mine = {g: [i for i, h in enumerate(groups) if h == g] for g in xs}
@@ -309,7 +315,8 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True):
         ct_x, acc, kept[bi - 1], xs = barrier((ct_x, acc, kept[bi - 1], xs))
       else:
         ct_x, acc, xs = barrier((ct_x, acc, xs))
-    ct_xs = [a if f else zero_cotangent(x0) for a, f, x0 in zip(acc, floats, xs_leaves)]
+    ct_xs = [a if f and a is not None else zero_cotangent(x0)
+             for a, f, x0 in zip(acc, floats, xs_leaves)]
     ct_consts = [[g if g is not None else zero_cotangent(a) for g, a in zip(gs, k)]
                  for gs, k in zip(ct_k, consts)]
     return ct_x, jax.tree_util.tree_unflatten(xs_def, ct_xs), ct_consts
@@ -327,7 +334,10 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True):
     return x, stack_ys(pieces)
 
   fn = jax.custom_vjp(plain)
-  fn.defvjp(forward, backward)
+  def _differentiated(accs):
+    return [a if g else None for a, g in zip(accs, meta['grads'])]
+
+  fn.defvjp(forward, backward, symbolic_zeros=True)
   if not batched((x, xs, consts)):
     return fn(x, xs, consts)
   # Inside jax.vmap a custom_vjp's backward runs per example, so the shared parameters would get

@@ -73,6 +73,30 @@ def zero_cotangent(a):
   return np.zeros(jnp.shape(a), jax.dtypes.float0)
 
 
+def is_primal(a) -> bool:
+  """A ``custom_vjp`` forward's argument under ``symbolic_zeros=True`` (value and ``perturbed``)."""
+  return isinstance(a, jax.custom_derivatives.CustomVJPPrimal)
+
+
+def primal_values(tree):
+  """``(values, perturbed flags per leaf)`` of a tree of :func:`is_primal` arguments."""
+  leaves = jax.tree_util.tree_leaves(tree, is_leaf=is_primal)
+  values = jax.tree_util.tree_map(lambda p: p.value, tree, is_leaf=is_primal)
+  return values, [p.perturbed for p in leaves]
+
+
+def materialise(tree):
+  """``tree`` with each symbolic zero cotangent JAX passed (an output nobody differentiates) as zeros."""
+  def leaf(ct):
+    if not isinstance(ct, jax.custom_derivatives.SymbolicZero):
+      return ct
+    if jnp.issubdtype(ct.aval.dtype, jnp.inexact):
+      return jnp.zeros(ct.aval.shape, ct.aval.dtype)
+    return np.zeros(ct.aval.shape, jax.dtypes.float0)
+  return jax.tree_util.tree_map(
+      leaf, tree, is_leaf=lambda a: isinstance(a, jax.custom_derivatives.SymbolicZero))
+
+
 def barrier(tree):
   """``optimization_barrier`` over the float leaves of ``tree`` (None and float0 pass through)."""
   leaves, tdef = jax.tree_util.tree_flatten(tree, is_leaf=lambda v: v is None)

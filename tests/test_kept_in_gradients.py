@@ -97,3 +97,28 @@ def test_h100_plan_no_larger(monkeypatch):
   for key, (stored, without) in temps.items():
     assert stored <= without, key
   assert temps['loops', 'full'][0] < temps['loops', 'full'][1]
+
+
+def test_a_frozen_leaf_gets_no_rows(monkeypatch):
+  """A leaf nobody differentiates (a LoRA base weight) has no accumulator to store into: rows
+  holding kept values would make XLA compute its gradient (the frozen [8, 256, 256] weight beside
+  its adapter, unrolled, full, H100 plan: 5.25 MB of temp with its rows, 4.20 without)."""
+  given = []
+  place = kept_in_gradients.place
+  monkeypatch.setattr(kept_in_gradients, 'place',
+                      lambda kept, inputs, every, accs, rows: given.append(accs) or place(
+                          kept, inputs, every, accs, rows))
+  (w0, w1), x = _args()
+  layer = lambda w, h: h + jnp.tanh(h @ w[0]) @ w[1]
+  loss = lambda frozen: lambda w0, w1: jnp.mean(scan_layers(
+      layer, (jax.lax.stop_gradient(w0) if frozen else w0, w1), x, policy='full',
+      layout='unrolled') ** 2)
+  jax.make_jaxpr(jax.grad(loss(True), argnums=1))(w0, w1)
+  assert [a is None for a in given[-1]] == [True, False]
+  jax.make_jaxpr(jax.grad(loss(False), argnums=(0, 1)))(w0, w1)
+  assert [a is None for a in given[-1]] == [False, False]
+  # and the adapter's gradient is the one without storing
+  grad = lambda: jax.grad(loss(True), argnums=1)(w0, w1)
+  stored = grad()
+  with kept_in_gradients.suspended():
+    assert_trees_close(stored, grad())
