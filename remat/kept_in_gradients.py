@@ -20,7 +20,9 @@ gradients are unchanged. A block under a rule stores whatever it keeps (what
 the rule saves is made anyway: the matmul outputs of ``dots``, the input of
 ``full``); a block with no rule only its input, since XLA may fuse its other
 kept values into the backward pass rather than keep them, and storing them
-made plans larger (docs/own-model.md). Values offloaded to host memory, or of
+made plans larger (docs/own-model.md). Only a differentiated parameter has rows
+(:mod:`remat.unrolled` passes None for the others): rows of a frozen one holding
+values would keep its gradient computed. Values offloaded to host memory, or of
 another dtype than the gradient's (bfloat16 activations beside float32
 parameters), are not stored.
 """
