@@ -47,9 +47,11 @@ class _Plan:
   """Where each residual leaf of a unit's VJP comes from, and the accumulators in use.
 
   ``where[j]``: ``('s', n)`` the unit's input leaf n; ``('k', n)`` closed-over
-  value n; ``('a', (((leaf, offset, size), ...), shape, dtype))`` pieces in the
-  unit's rows of accumulators of one dtype (offsets within the row; the value's
-  bits where that dtype is another); ``('o', n)`` loop output n.
+  value n; ``('a', (((leaf, offset, size), ...), shape, dtype, rest))`` pieces in
+  the unit's rows of accumulators of one dtype (offsets within the row; the
+  value's bits where that dtype is another), followed by loop output ``rest``
+  (the flat remainder that did not fit; None when all of it did); ``('o', (n, shape))``
+  loop output n, flat (``shape``: the value's).
   """
   tree: object
   where: tuple
@@ -126,17 +128,19 @@ def run(step: Callable, x, xs):
       # the body's residuals must line up with the plan traced outside the loop
       assert [w if w[0] in 'sk' else 'r' for w in where] == [
           w if w[0] in 'sk' else 'r' for w in plan.where], where
-      accs, others = list(accs), []
+      accs, others = list(accs), {}
       for (kind, at), value in zip([w for w in plan.where if w[0] in ('a', 'o')], mine):
         if kind == 'o':
-          others.append(value)
+          others[at[0]] = value.reshape(-1)
           continue
         flat, done = _to_bits(value, accs[at[0][0][0]].dtype).reshape(1, -1), 0
         for leaf, offset, size in at[0]:
           accs[leaf] = jax.lax.dynamic_update_slice(
               accs[leaf], flat[:, done:done + size], (u, offset))
           done += size
-      return (x, accs, k), (ys, others)
+        if at[3] is not None:
+          others[at[3]] = flat[0, done:]
+      return (x, accs, k), (ys, [others[n] for n in sorted(others)])
 
     (x, accs, _), (ys, others) = jax.lax.scan(body, (x, accs, k), (jnp.arange(units), xs))
     return (x, ys), (xs, k, accs, others)
@@ -153,17 +157,16 @@ def run(step: Callable, x, xs):
       ct_x, accs, ct_k, k = carry
       u, v, ct_y, own = inp
       v_leaves, k_leaves = jax.tree_util.tree_leaves(v), jax.tree_util.tree_leaves(k)
-      leaves, n_own = [], 0
+      leaves = []
       for kind, at in plan.where:
         if kind == 's':
           leaves.append(v_leaves[at])
         elif kind == 'k':
           leaves.append(k_leaves[at])
         elif kind == 'o':
-          leaves.append(own[n_own])
-          n_own += 1
+          leaves.append(own[at[0]].reshape(at[1]))
         else:
-          leaves.append(_load(accs, at, u))
+          leaves.append(_load(accs, at, u, None if at[3] is None else own[at[3]]))
       pull = jax.tree_util.tree_unflatten(plan.tree, leaves)
       ct_x, ct_v, ct_kk = pull((ct_x, ct_y))
       accs = list(accs)
@@ -207,17 +210,19 @@ def _plan(trace: Callable, xs_leaves: list, rows: list) -> _Plan:
     count = int(np.prod(value.shape, dtype=np.int64))
     spot = None
     # the accumulators of one dtype, the value's own first, then any other float dtype whose
-    # elements hold a whole number of the value's (or the reverse): stored as their bit pattern
+    # elements hold a whole number of the value's (or the reverse): stored as their bit pattern.
+    # A value larger than the room left fills it and keeps only its remainder as a loop output,
+    # so no row that could hold saved values stays empty while they wait.
     for dtype in sorted({jnp.result_type(a) for a in xs_leaves if inexact(a)},
                         key=lambda d: d != value.dtype):
       size = _elements(count, value.dtype, dtype)
       fits = [i for i, a in enumerate(xs_leaves)
               if rows[i] > free[i] and jnp.result_type(a) == dtype]
-      if size is not None and sum(rows[i] - free[i] for i in fits) >= size:
+      if size is not None and fits:
         spot = (dtype, size, fits)
         break
     if not box['storable'][origin[1]] or spot is None:
-      where.append(('o', others))
+      where.append(('o', (others, tuple(value.shape))))
       others += 1
       continue
     dtype, size, fits = spot
@@ -230,15 +235,23 @@ def _plan(trace: Callable, xs_leaves: list, rows: list) -> _Plan:
       done += take
       if done == size:
         break
-    where.append(('a', (tuple(pieces), tuple(value.shape), value.dtype)))
+    rest = None
+    if done < size:
+      rest, others = others, others + 1
+    where.append(('a', (tuple(pieces), tuple(value.shape), value.dtype, rest)))
   return _Plan(box['tree'], tuple(where), frozenset(used))
 
 
-def _load(accs: list, at: tuple, u):
-  """A value stored in unit ``u``'s rows (read before that unit's gradient is written)."""
-  pieces, shape, dtype = at
+def _load(accs: list, at: tuple, u, rest=None):
+  """A value stored in unit ``u``'s rows (read before that unit's gradient is written).
+
+  ``rest``: the unit's slice of the loop output holding the value's remainder, if any.
+  """
+  pieces, shape, dtype, _ = at
   parts = [jax.lax.dynamic_slice(accs[leaf], (u, offset), (1, size))
            for leaf, offset, size in pieces]
+  if rest is not None:
+    parts.append(rest.reshape(1, -1))
   flat = (parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)).reshape(-1)
   return _from_bits(flat, dtype, shape)
 

@@ -82,7 +82,7 @@ def _where(layer, params, x):
   return stored_scan._plan(trace, leaves, rows).where
 
 
-def test_plan_spans_leaves_and_leaves_what_does_not_fit():
+def test_plan_spans_leaves_and_spills_what_does_not_fit():
   w = (jnp.zeros((L, 4, 6)), jnp.zeros((L, 6, 4)))   # rows of 24 floats in each leaf
   h = jnp.zeros((5, 4))                               # 20 floats
   saves = lambda names: jax.checkpoint(
@@ -91,20 +91,23 @@ def test_plan_spans_leaves_and_leaves_what_does_not_fit():
   # full: the input (20 floats) in the roomiest leaf's row; the weights are read where they are
   where = _where(saves(()), w, h)
   stored = [a for kind, a in where if kind == 'a']
-  assert stored == [(((0, 0, 20),), (5, 4), jnp.float32)], where
+  assert stored == [(((0, 0, 20),), (5, 4), jnp.float32, None)], where
   assert {a for kind, a in where if kind == 's'} == {0, 1}
-  # with `a` (30 floats) saved too, the two need 50 floats and the rows hold 48: the first stored
-  # takes the roomiest row and spills into the other, the second finds too little left and stays
-  # a loop output
-  where = _where(saves(('a',)), w, h)
-  kinds = sorted(kind for kind, _ in where if kind in ('a', 'o'))
-  assert kinds == ['a', 'o'], where
+  # with `a` (30 floats) saved too, the two need 50 floats and the rows hold 48: the input takes
+  # 20 of the first row, `a` the other row and the 4 floats left in the first, and keeps its last
+  # 2 floats as loop output 0 (no row stays empty while values wait)
+  stored = {a[1]: a for kind, a in _where(saves(('a',)), w, h) if kind == 'a'}
+  assert set(stored) == {(5, 4), (5, 6)}, stored
+  assert stored[(5, 4)][3] is None and stored[(5, 6)][3] == 0, stored
+  assert [sum(size for _, _, size in a[0]) for a in (stored[(5, 4)], stored[(5, 6)])] == [20, 28]
+  pieces = sorted(p for a in stored.values() for p in a[0])
+  assert [(leaf, off) for leaf, off, _ in pieces] == [(0, 0), (0, 20), (1, 0)], pieces
   # a bfloat16 value beside float32 gradients is stored as its bits: 21 values in 11 elements
   half = jax.checkpoint(lambda h, w: jnp.tanh(h @ w[0].astype(jnp.bfloat16)).astype(
       jnp.float32) @ w[1], policy=jax.checkpoint_policies.nothing_saveable)
   odd = jnp.zeros((3, 7), jnp.bfloat16)
   stored = [a for kind, a in _where(half, (jnp.zeros((L, 7, 6)), w[1]), odd) if kind == 'a']
-  assert stored == [(((0, 0, 11),), (3, 7), jnp.bfloat16)], stored
+  assert stored == [(((0, 0, 11),), (3, 7), jnp.bfloat16, None)], stored
 
 
 @pytest.mark.parametrize('dtype,acc,elements', [(jnp.bfloat16, jnp.float32, 8),
