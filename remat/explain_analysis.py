@@ -375,12 +375,16 @@ def analyse(plan: Plan, memory: MemoryStats, spec: str, target: str,
 
 def _param_like(dims: tuple[int, ...], param_dims: set) -> bool:
   """A parameter's dims in any dtype (bf16 compute accumulates bf16 gradients), or its elements
-  with its last two dims (a segmented stack's [S, K, ...] gradient of an [N, ...] parameter)."""
+  with its last two dims (a segmented stack's [S, K, ...] gradient of an [N, ...] parameter), or
+  a stacked parameter's gradient rows: ``[N, elements per layer]`` (the stored scan's, which hold
+  saved values until the backward loop writes them) or flat (:mod:`remat.kept_in_gradients`)."""
   if dims in param_dims:
     return True
   n = int(np.prod(dims)) if dims else 1
-  return len(dims) >= 2 and any(len(p) >= 2 and p[-2:] == dims[-2:] and int(np.prod(p)) == n
-                                for p in param_dims)
+  return any((len(dims) >= 2 and len(p) >= 2 and p[-2:] == dims[-2:] and int(np.prod(p)) == n)
+             or (len(p) >= 3 and int(np.prod(p)) == n and (
+                 dims == (p[0], n // p[0]) or dims == (n,)))
+             for p in param_dims)
 
 
 def _tags_of(key, by_tag: dict) -> set[str]:

@@ -165,3 +165,16 @@ def test_public_model_gradients_equal_the_plain_scan():
   with compiling_for('cpu'):   # auto: the plain scan
     plain = loss()
   assert_trees_close(stored, plain)
+
+
+@pytest.mark.gpu_plan
+def test_explain_counts_the_rows_as_gradients():
+  # The rows are the weight gradients the backward loop writes (those of layers it has not
+  # reached hold their saved values): `remat.explain` files them as gradients, `[L, D * H]`,
+  # not as the loop's working set.
+  import remat
+  params, x = _args()
+  e = remat.explain(lambda p: _loss(p.spec), params, x, jnp.float32(0.7), policy='full',
+                    target='h100')
+  rows = [b for b in e.buffers if b.shape == f'f32[{L},{D * H}]']
+  assert rows and {b.category for b in rows} == {'gradients'}, e.summary()
