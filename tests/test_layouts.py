@@ -85,6 +85,10 @@ def test_auto_on_a_gpu_per_rule_pattern_and_inner_loop():
   assert [pick(s, stored=True) for s in ('full', 'none', 'dots', 'names:fc1')] == \
       ['scan', 'scan', 'unrolled', 'unrolled']
   assert [pick(s, pattern=True, stored=lambda: True) for s in ('full', 'none')] == ['loops'] * 2
+  # a rule that offloads: the scan, whose stacked residuals XLA moves to host memory (it moved
+  # few of the unrolled layers' in tests/test_explain.py's llama-tiny, H200 plan)
+  assert [pick(s, pattern=p) for s in ('offload:fc1', 'qkv_proj_offloaded')
+          for p in (False, True)] == ['scan'] * 4
   asked = []
   assert choose_layout(get_policy('full'), N, platform='cpu',
                        inner_loop=lambda: asked.append(1) or True) == 'scan'
