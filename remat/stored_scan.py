@@ -18,7 +18,10 @@ reads unit u's values back out of its rows at the start of its step and writes
 unit u's gradient over them at its end. Rows of units the reverse scan has not
 reached yet still hold their values; rows it has passed hold gradients. What
 does not fit (a unit's saved values larger than its parameters) stays a
-``[U, ...]`` loop output as in the plain scan; a value that is one of the unit's own inputs (a parameter slice) or a
+``[U, ...]`` loop output as in the plain scan, flat (XLA relaid a stack of the
+value's own shape out whole for the backward loop, holding it twice), and a
+value larger than the room left fills it and keeps only its remainder there;
+a value that is one of the unit's own inputs (a parameter slice) or a
 closed-over value is read again where it lives. The gradients are the plain
 scan's: each unit's backward step is ``jax.vjp`` of the same step.
 
