@@ -4,9 +4,11 @@ It serves GPU targets: the gradient tests trace for one (``compiling_for('gpu')`
 and run on the CPU. The same gradients as the plain scan (inside
 ``kept_in_gradients.suspended()``) under every policy family, for the stacked
 parameters and for a value every layer closes over; a smaller H100 plan where the
-saved values fit in the rows; the placement (spanning leaves, a value too large
-or of another dtype left a loop output); the residual report, which names the
-values as saved; and where it is not used (CPU, vmap, one unit).
+saved values fit in the rows; the placement (spanning leaves, a value larger
+than the room left spilling its remainder into a loop output, another dtype as
+its bits); the residual report, which names the values as saved, and
+``remat.explain``, which counts the rows as gradients; and where it is not used
+(CPU, vmap, one unit).
 """
 
 import jax
@@ -14,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 from numerics import assert_trees_close
-from remat import kept_in_gradients, scan_layers, stored_scan
+from remat import explain, kept_in_gradients, scan_layers, stored_scan
 from remat.layout import compiling_for
 from remat.measuring import step_memory
 from remat.residuals import by_tag, saved_residuals
@@ -172,9 +174,8 @@ def test_explain_counts_the_rows_as_gradients():
   # The rows are the weight gradients the backward loop writes (those of layers it has not
   # reached hold their saved values): `remat.explain` files them as gradients, `[L, D * H]`,
   # not as the loop's working set.
-  import remat
   params, x = _args()
-  e = remat.explain(lambda p: _loss(p.spec), params, x, jnp.float32(0.7), policy='full',
+  e = explain(lambda p: _loss(p.spec), params, x, jnp.float32(0.7), policy='full',
                     target='h100')
   rows = [b for b in e.buffers if b.shape == f'f32[{L},{D * H}]']
   assert rows and {b.category for b in rows} == {'gradients'}, e.summary()
