@@ -23,8 +23,9 @@ from pathlib import Path
 import jax
 
 # Bump when the search or the record changes meaning: older records are then never read.
-SEARCH_VERSION = 3   # 2: the mesh is part of the key; superset pruning; 3: each plan's memory,
-# impossible budgets recorded, the resolved budget in the key
+SEARCH_VERSION = 4   # 2: the mesh is part of the key; superset pruning; 3: each plan's memory,
+# impossible budgets recorded, the resolved budget in the key; 4: a GPU target's plans traced for
+# the GPU (layout='auto' had chosen the CPU's layout when this machine's backend was the CPU)
 
 
 def cache_dir() -> Path:

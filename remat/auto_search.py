@@ -19,6 +19,7 @@ import jax
 from remat.auto_budget import Budget
 from remat.auto_model import Calibration, Candidate, layer_candidates, stack_candidates
 from remat.flops import _walk
+from remat.layout import compiling_for
 from remat.measuring import _abstract, _parts, step_flops, step_residuals
 from remat.memory import MemoryStats, compiled_memory, format_bytes
 from remat.policies import PolicyError, get_policy, sqrt_segment_size
@@ -83,7 +84,8 @@ def _trace(program, example_args, target: Target, shardings: tuple | None):
     jitted = jax.jit(fn, in_shardings=shardings[0], out_shardings=shardings[1],
                      donate_argnums=donate)
     args = _abstract(example_args)
-  return jitted.trace(*args), options
+  with compiling_for(target.platform):   # stacks with layout='auto' choose for the target
+    return jitted.trace(*args), options
 
 
 def mesh_description(shardings: tuple | None) -> dict | None:
@@ -179,7 +181,8 @@ class _Search:
   def flops(self, spec: str) -> int:
     if spec not in self.flop_counts:
       if spec in self.plans or spec in self.pending:   # lowered already: count it afresh
-        self.flop_counts[spec] = step_flops(self.program(spec), *self.args).flops
+        with compiling_for(self.target.platform):   # the program that was compiled
+          self.flop_counts[spec] = step_flops(self.program(spec), *self.args).flops
       else:
         self.flop_counts[spec] = _walk(self._traced(spec)[0].jaxpr.jaxpr)[0]
       self.traces += 1
@@ -198,7 +201,8 @@ class _Search:
   def residuals(self, spec: str):
     self.residual_traces += 1
     t = time.perf_counter()
-    out = step_residuals(self.program(spec), *self.args)
+    with compiling_for(self.target.platform):
+      out = step_residuals(self.program(spec), *self.args)
     self.trace_seconds += time.perf_counter() - t
     return out
 

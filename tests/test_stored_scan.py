@@ -179,3 +179,19 @@ def test_explain_counts_the_rows_as_gradients():
                     target='h100')
   rows = [b for b in e.buffers if b.shape == f'f32[{L},{D * H}]']
   assert rows and {b.category for b in rows} == {'gradients'}, e.summary()
+
+
+@pytest.mark.gpu_plan
+def test_the_auto_search_plans_the_gpu_layout():
+  # remat.auto's search compiles for the target as remat.measure does: the stacks choose their
+  # layout for the GPU, not for this machine's CPU backend (it had planned the plain scan).
+  from remat.auto_search import plan
+  from remat.targets import get_target
+  params, x = _args()
+  args = (params, x, jnp.float32(0.7))
+  target = get_target('h100')
+  searched = plan(_loss('full'), args, target).temp
+  assert searched == step_memory(_loss('full'), *args, target=target).temp
+  with kept_in_gradients.suspended():
+    plain = step_memory(_loss('full'), *args, target=target).temp
+  assert searched < plain, (searched, plain)

@@ -37,6 +37,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from remat.layout import compiling_for
+
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
 
 
@@ -231,8 +233,9 @@ def compile_for_target(step, state, batch, off: Offload, target):
   kinds = state_memory_kinds(off, state)
   state_sh = jax.tree_util.tree_map(lambda k: cpu.with_memory_kind(k), kinds)
   batch_sh = jax.tree_util.tree_map(lambda _: cpu, batch)
-  traced = jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, cpu),
-                   donate_argnums=0).trace(state, batch)
+  with compiling_for(target.platform):   # stacks with layout='auto' choose for the target
+    traced = jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, cpu),
+                     donate_argnums=0).trace(state, batch)
   module = traced.lower(lowering_platforms=('cuda',))._lowering.stablehlo()
   carrier = jax.jit(step, donate_argnums=0, keep_unused=True).lower(
       *target.place((state, batch)))
