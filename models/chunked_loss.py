@@ -61,8 +61,11 @@ def _chunk_logits(hc, emb, yc):
 
 
 def _divisor(n: int, weights):
-  """What the loss sum is divided by: N tokens, or the weights' sum (at least 1)."""
-  return n if weights is None else jnp.maximum(jnp.sum(weights.astype(jnp.float32)), 1.0)
+  """What the loss sum is divided by: N tokens, or the weights' sum (at least 1).
+
+  N as a float: a Python int above 2**31 - 1 does not convert to JAX's default int32.
+  """
+  return float(n) if weights is None else jnp.maximum(jnp.sum(weights.astype(jnp.float32)), 1.0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 5))

@@ -25,6 +25,10 @@ from remat.policies import get_policy
 from remat.targets import Target
 
 MAX_VALUE = 1 << 20
+# A first slope below this fraction of the first plan's peak is taken for a flat start, whose
+# guess is capped at FLAT_GUESS times the second size planned (see largest_fitting).
+FLAT_START = 0.005
+FLAT_GUESS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +80,12 @@ def largest_fitting(case: Callable[[int], tuple], spec: str, budget_bytes: int, 
     return _done(spec, low, peaks, case, num_layers, high, peak)
   slope = max(1.0, (peak(second) - peak(low)) / (second - low))
   guess = int(low + (budget_bytes - peak(low)) / slope)
+  if slope < FLAT_START * peak(low):
+    # A plan can stay flat over the first sizes and grow beyond them: on a GPU plan the stack's
+    # saved values wait in gradient rows until those are full (Llama-3.1-8B, full fine-tune,
+    # state on the host, H100 plan: the same peak at one sequence and at two). The slope says
+    # nothing then, and its guess can be absurd (a batch of 655,077 sequences of 4096 tokens).
+    guess = min(guess, FLAT_GUESS * second)
   ok, bad = low, None   # ok fits; bad (if known) does not
   if fits(second):
     ok = second

@@ -205,6 +205,26 @@ def test_fit_bisection_on_a_known_plan(per_item, fixed, budget, monkeypatch):
     assert got.next_peak == peak(want + 1) > budget
 
 
+def test_fit_after_a_flat_start_plans_no_absurd_size(monkeypatch):
+  """Plans flat over the first sizes, then linear (saved values filling gradient rows first): the
+  fit is still exact, and the first guess stays near the sizes planned."""
+  import remat.fit as fit_mod
+  from remat.memory import MemoryStats
+  peak = lambda b: 10**9 + 10**6 * max(0, b - 20)   # flat to 20, then 1 MB per item
+  asked = []
+
+  def plan(program, args, target):
+    asked.append(args[1].shape[0])
+    return MemoryStats(0, 0, 0, peak(args[1].shape[0]), 0, 'cpu')
+  monkeypatch.setattr(fit_mod, 'plan', plan)
+  monkeypatch.setattr(fit_mod, 'step_flops', lambda *a: type('F', (), {'flops': 1})())
+  budget = peak(300)
+  assert largest_fitting(_mlp_at, 'none', budget, CPU).value == 300
+  # the slope between 1 and 2 is zero: the guess from it alone was 10**9 items; it starts the
+  # gallop at FLAT_GUESS * 2 instead, which never plans twice the answer
+  assert asked[:3] == [1, 2, fit_mod.FLAT_GUESS * 2] and max(asked) < 2 * 300, asked
+
+
 @pytest.mark.slow
 def test_fit_returns_the_largest_fitting_batch():
   peak = lambda spec, b: auto.plan(user_mlp.build(get_policy(spec)), _mlp_at(b)[1], CPU).peak

@@ -35,6 +35,16 @@ def test_chunk_size_choice():
     GPTConfig(loss_chunk=-1)
 
 
+def test_chunked_cross_entropy_traces_beyond_int32_tokens():
+  # --fit can plan a batch of more than 2**31 - 1 tokens; the mean's N must not become an int32
+  n, d, v = 2**31 + 64, 8, 16
+  grad = jax.grad(lambda h, e, y: chunked_cross_entropy(h, e, y, 1 << 20), argnums=(0, 1))
+  out = jax.eval_shape(grad, jax.ShapeDtypeStruct((n, d), jnp.bfloat16),
+                       jax.ShapeDtypeStruct((v, d), jnp.float32),
+                       jax.ShapeDtypeStruct((n,), jnp.int32))
+  assert out[0].shape == (n, d) and out[1].shape == (v, d)
+
+
 @pytest.mark.parametrize('chunk', [7, 32, 96])   # padded last chunk, exact split, one chunk
 def test_chunked_cross_entropy_matches_optax(chunk):
   rng = np.random.default_rng(0)
