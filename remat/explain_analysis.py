@@ -381,10 +381,14 @@ def _param_like(dims: tuple[int, ...], param_dims: set) -> bool:
   if dims in param_dims:
     return True
   n = int(np.prod(dims)) if dims else 1
-  return any((len(dims) >= 2 and len(p) >= 2 and p[-2:] == dims[-2:] and int(np.prod(p)) == n)
-             or (len(p) >= 3 and int(np.prod(p)) == n and (
-                 dims == (p[0], n // p[0]) or dims == (n,)))
-             for p in param_dims)
+  for p in param_dims:
+    if int(np.prod(p)) != n:
+      continue
+    if len(dims) >= 2 and len(p) >= 2 and p[-2:] == dims[-2:]:   # segmented
+      return True
+    if len(p) >= 3 and dims in ((p[0], n // p[0]), (n,)):       # rows, or flat
+      return True
+  return False
 
 
 def _tags_of(key, by_tag: dict) -> set[str]:

@@ -169,6 +169,10 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True):
     shape_x = jax.eval_shape(converted[w], shape_x, view, *consts[w])[0]
   meta = {}   # filled while the forward pass is traced: each block's kept values, by origin
 
+  def _differentiated(accs):
+    """The accumulators of differentiated leaves (``meta['grads']``); None for the others."""
+    return [a if g else None for a, g in zip(accs, meta['grads'])]
+
   def call(w):
     return lambda c, s, k: converted[w](c, s, *k)
 
@@ -334,9 +338,6 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True):
     return x, stack_ys(pieces)
 
   fn = jax.custom_vjp(plain)
-  def _differentiated(accs):
-    return [a if g else None for a, g in zip(accs, meta['grads'])]
-
   fn.defvjp(forward, backward, symbolic_zeros=True)
   if not batched((x, xs, consts)):
     return fn(x, xs, consts)
