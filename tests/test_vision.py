@@ -117,7 +117,8 @@ def test_training_mode_is_really_on(case):
     assert max(jax.tree_util.tree_leaves(moved)) > 1e-3
 
 
-@pytest.mark.parametrize('spec', ['full', 'sqrt', 'stage', 'dots'])
+# `dots` builds the tree as `full` does (a per-layer rule), so it runs with -m slow.
+@pytest.mark.parametrize('spec', ['full', 'sqrt', 'stage', pytest.param('dots', marks=pytest.mark.slow)])
 def test_variable_tree_identical_across_policies(case, spec):
   cfg, params, model_state, _, _ = case
   got_params, got_state = Task(cfg).init_variables(Task(cfg).model(spec), 0, cfg.image_size)
