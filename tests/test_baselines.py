@@ -129,6 +129,7 @@ def test_recompute_flops(measured, case):
     assert r.none_step_flops == none.step_flops
 
 
+@pytest.mark.extended
 def test_fresh_process_measures_the_same(measured, monkeypatch):
   monkeypatch.setenv('OMP_NUM_THREADS', '1')
   model, fields, b, seq_len, image_size = CASES['gpt2']

@@ -84,6 +84,7 @@ def test_errors_are_one_line(argv, needle, capsys):
   assert err[-1].startswith('bench.report: error: ') and needle in err[-1]
 
 
+@pytest.mark.extended
 def test_fused_update_table(tmp_path, capsys):
   argv = ['--config', 'vit-tiny', '--batch-size', '2', '--policies', 'none,full,sqrt']
   temps = {}

@@ -11,6 +11,7 @@ from remat.targets import get_target
 SMALL = GPTConfig(vocab_size=256, max_len=32, num_layers=4, num_heads=2, d_model=32, dropout=0.1)
 
 
+@pytest.mark.extended
 def test_depth_sweep_slopes():
   cfg = dataclasses.replace(SMALL, max_len=64)
   sweep = depth_sweep(cfg, [4, 16, 64], 4, 64, get_target('cpu'), policies=('none', 'sqrt'))

@@ -9,6 +9,7 @@ from remat.targets import get_target
 SMALL = GPTConfig(vocab_size=256, max_len=32, num_layers=4, num_heads=2, d_model=32, dropout=0.1)
 
 
+@pytest.mark.extended
 def test_time_ratio_measured_in_one_run():
   cpu = get_target('cpu')
   none = measure(SMALL, 'none', 2, 16, cpu, run=True)
@@ -29,6 +30,7 @@ def test_gpu_target_plans_offload_to_host(name):
   assert off.backend == name
 
 
+@pytest.mark.extended
 def test_device_peak_runs_in_a_fresh_process():
   from bench.device_peak import measured_device_peak
   got = measured_device_peak('tiny', 'full', 2, 16)

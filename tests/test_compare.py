@@ -50,6 +50,7 @@ def _check_rows(data, families):
   return rows
 
 
+@pytest.mark.extended
 def test_gpt2_both_sides_per_family(tmp_path, capsys):
   png = tmp_path / 'c.png'
   data, text = _run(tmp_path, capsys, ['--model', 'gpt2', '--config', 'tiny', '--batch-size', '2',

@@ -217,6 +217,7 @@ def test_microbatches_must_split_over_the_mesh():
     check(8, 8, shards=2)
 
 
+@pytest.mark.extended
 def test_run_with_grad_accum_resumes_exactly_and_counts_tokens(text_file, tmp_path, capsys):
   """train.py --grad-accum 2: the losses of --grad-accum 1 (llama-tiny, no dropout), the same
   tokens per step, and a resume that takes K from the run's record gives the same losses."""

@@ -247,6 +247,7 @@ def test_chunked_loss_in_bfloat16_equals_plain(small_params, windows):
   assert_trees_close(got[1], plain[1], rtol=2 ** -7)
 
 
+@pytest.mark.extended
 def test_train_py_dtype_flag_and_resume_check(text_file, tmp_path, capsys):
   from training import cli
   out = tmp_path / 'run'

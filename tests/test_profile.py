@@ -40,6 +40,7 @@ def test_torch_categories(op, category):
   assert profile.torch_category(op) == category
 
 
+@pytest.mark.extended
 def test_both_sides_per_family(capsys):
   code = profile.main(['--model', 'gpt2', '--config', 'tiny', '--batch-size', '2',
                        '--seq-len', '32', '--families', 'none'])

@@ -41,6 +41,7 @@ def _script(name: str, *args, cwd: Path) -> subprocess.CompletedProcess:
                         capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.extended
 def test_export_and_sample_run_from_another_folder(run, tmp_path, capsys):
   elsewhere = tmp_path / 'elsewhere'
   elsewhere.mkdir()

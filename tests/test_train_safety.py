@@ -98,6 +98,7 @@ def _copy(base, tmp_path) -> TrainConfig:
 # --- divergence -----------------------------------------------------------------------------
 
 
+@pytest.mark.extended
 def test_guarded_step_equals_plain_step_and_keeps_state_on_nan(windows):
   model = GPT(GPTConfig(vocab_size=256, max_len=16, num_layers=2, num_heads=1, d_model=8), 'sqrt')
   tx = st.make_optimizer(3e-3, 10, 2, 0.1, 1.0)
@@ -233,6 +234,7 @@ def test_guard_passes_the_healthy_runs(base):
   assert guard.end_problem() is None
 
 
+@pytest.mark.extended
 def test_lr_50_stops_before_a_blown_up_state_is_saved(base, tmp_path, capsys):
   """Issue 26 (2): at --lr 50 the first update throws the parameters far away while every
   number stays finite; the guard stops the run and the last good checkpoint stays."""
@@ -634,6 +636,7 @@ def _kill_and_resume(base, tmp_path, xla_cache, moments, steps):
   return out, rows, kills
 
 
+@pytest.mark.extended
 def test_kill_9_then_resume_loses_nothing(base, tmp_path, xla_cache):
   moments = [('save', 1), ('step', 3)]  # mid-save of the first checkpoint, then mid-steps
   out, rows, kills = _kill_and_resume(base, tmp_path, xla_cache, moments, 8)
