@@ -121,7 +121,7 @@ def test_guarded_step_equals_plain_step_and_keeps_state_on_nan(windows):
     np.testing.assert_array_equal(a, b)  # update dropped: nothing moved
 
 
-@pytest.mark.slow  # test_lr_50_stops_before_a_blown_up_state_is_saved: the same path, default
+@pytest.mark.slow  # test_lr_50_stops_before_a_blown_up_state_is_saved: the same path (-m extended, CI)
 def test_divergence_stops_with_one_line_and_keeps_good_checkpoints(base, tmp_path, capsys):
   cfg = _copy(base, tmp_path)
   code = cli.main(['--resume', f'--out={cfg.out}', '--lr=1e6', '--steps=40',
