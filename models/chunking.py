@@ -4,6 +4,8 @@ Shared by :mod:`models.layers`, :mod:`models.llama` and :mod:`models.attention`,
 which import it and nothing of each other for it.
 """
 
+import jax
+
 # Rows (tokens) per step of the chunked backward passes (gelu_dense; models/llama.py's MLP).
 BACKWARD_ROWS = 128
 # ... in at most this many steps: a loop step is one launch of each matmul on a GPU, so at real
@@ -19,3 +21,17 @@ def row_chunks(rows: int, size: int = BACKWARD_ROWS) -> int:
   while rows % n:
     n -= 1
   return n
+
+
+def zeros_after(shape, dtype, like):
+  """Zeros of ``shape`` that XLA can make only once ``like`` (the incoming cotangent) exists.
+
+  For the chunked backward passes' carries. Constant zeros were made at once: in
+  an unrolled stack XLA's GPU pipeline made every layer's at the start of the
+  backward pass and held all of them (our tiny GPT, 8 layers, ``dots``, H100
+  plan: seven zeroed ``[1024, 512]`` float32 ``dh`` buffers at the peak).
+  ``x != x`` is 0 for any number but NaN, and XLA does not fold it (it is 1 for
+  NaN); a NaN there would make the layer's gradients NaN anyway.
+  """
+  one = like[(0,) * like.ndim]
+  return jax.lax.broadcast_in_dim((one != one).astype(dtype), shape, ())

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from models.chunking import row_chunks
+from models.chunking import row_chunks, zeros_after
 from models.lora.dense import AdaptedDense, adapter_key
 from models.lora.spec import PROJECTIONS, projection_tag
 
@@ -125,8 +125,10 @@ def _gelu_dense_bwd(approximate, res, g):
     return (jax.lax.dynamic_update_slice_in_dim(dh, dh_c.astype(dh.dtype), row0, 0),
             dw + dw_c, db + db_c), None
 
-  acc = (jnp.zeros(h2.shape, h.dtype), jnp.zeros(kernel.shape, jnp.float32),
-         jnp.zeros(bias.shape, jnp.float32))
+  # zeros_after, not constant zeros, nor dh as a scan output (which JAX starts as constant
+  # zeros): see models.chunking.zeros_after.
+  acc = (zeros_after(h2.shape, h.dtype, g2), zeros_after(kernel.shape, jnp.float32, g2),
+         zeros_after(bias.shape, jnp.float32, g2))
   (dh, dw, db), _ = jax.lax.scan(step, acc, jnp.arange(n, dtype=jnp.int32) * size)
   return dh.reshape(h.shape), dw.astype(kernel.dtype), db.astype(bias.dtype)
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from models.chunking import row_chunks
+from models.chunking import row_chunks, zeros_after
 
 
 @jax.custom_jvp
@@ -93,8 +93,9 @@ def _swiglu_mlp_bwd(res, g):
   split = lambda a: a.reshape(n, rows // n, a.shape[-1])
   contract_rows = (((0,), (0,)), ((), ()))
 
-  def step(acc, chunk):
-    xc, gc, uc, gg = chunk
+  def step(carry, chunk):
+    dxs, acc = carry
+    i, xc, gc, uc, gg = chunk
     sig = jax.nn.sigmoid(gc)
     silu = gc * sig
     d_wd = jax.lax.dot_general(silu * uc, gg, contract_rows, preferred_element_type=jnp.float32)
@@ -105,10 +106,15 @@ def _swiglu_mlp_bwd(res, g):
     dx = jnp.dot(d_gate, wg.T) + jnp.dot(d_up, wu.T)
     d_wg = jax.lax.dot_general(xc, d_gate, contract_rows, preferred_element_type=jnp.float32)
     d_wu = jax.lax.dot_general(xc, d_up, contract_rows, preferred_element_type=jnp.float32)
-    return tuple(a + d for a, d in zip(acc, (d_wg, d_wu, d_wd))), dx
+    sums = tuple(a + d for a, d in zip(acc, (d_wg, d_wu, d_wd)))
+    return (jax.lax.dynamic_update_index_in_dim(dxs, dx.astype(dxs.dtype), i, 0), sums), None
 
-  init = tuple(jnp.zeros(w.shape, jnp.float32) for w in (wg, wu, wd))
-  (d_wg, d_wu, d_wd), dx = jax.lax.scan(step, init, (split(x), split(gate), split(up), split(g)))
+  # zeros_after, not constant zeros, nor dx as a scan output (which JAX starts as constant
+  # zeros): see models.chunking.zeros_after.
+  init = (zeros_after(split(x).shape, x.dtype, g),
+          tuple(zeros_after(w.shape, jnp.float32, g) for w in (wg, wu, wd)))
+  (dx, (d_wg, d_wu, d_wd)), _ = jax.lax.scan(
+      step, init, (jnp.arange(n), split(x), split(gate), split(up), split(g)))
   return (dx.reshape(x.shape), d_wg.astype(wg.dtype), d_wu.astype(wu.dtype),
           d_wd.astype(wd.dtype))
 
