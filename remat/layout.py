@@ -205,11 +205,13 @@ def choose_layout(policy, num_units: int,
   that runs a loop of its own (``inner_loop``: a blockwise attention, a chunked
   backward pass), whose zero-initialised backward accumulators XLA's GPU
   pipeline merges across unrolled layers into one fusion that holds all of them
-  at once (our tiny GPT, 8 layers, ``full``, H100 plan: 31.93 MiB unrolled,
-  15.22 MiB scanned). Under a rule that keeps matmul outputs the kept values
-  dominate and either layout can win on such a model (``dots``: our tiny GPT
-  51.79 MiB scanned against 59.92 unrolled, our llama-tiny 54.05 against
-  50.77), so there the layout does not depend on it: the per-block habit.
+  at once (our tiny GPT, 8 layers, ``full``, H100 plan, when its loops started
+  from constant zeros: 31.93 MiB unrolled, 15.22 MiB scanned; a loop that starts
+  from zeros made from its input is not merged). Under a rule that keeps matmul
+  outputs the kept values dominate and either layout can win on such a model
+  (``dots``, then: our tiny GPT 51.79 MiB scanned against 59.92 unrolled, our
+  llama-tiny 54.05 against 50.77), so there the layout does not depend on it:
+  the per-block habit.
 
   Under ``none`` and ``full``, in a stack with one kind of layer, it is the scan
   too where the scan keeps its saved values in gradient rows (``stored``:
