@@ -30,8 +30,8 @@ def zeros_after(shape, dtype, like):
   an unrolled stack XLA's GPU pipeline made every layer's at the start of the
   backward pass and held all of them (our tiny GPT, 8 layers, ``dots``, H100
   plan: seven zeroed ``[1024, 512]`` float32 ``dh`` buffers at the peak).
-  ``x != x`` is 0 for any number but NaN, and XLA does not fold it (it is 1 for
-  NaN); a NaN there would make the layer's gradients NaN anyway.
+  ``(x != x) & (x == x)`` is false for every ``x``, NaN included, and XLA does not
+  fold it to a constant.
   """
   one = like[(0,) * like.ndim]
-  return jax.lax.broadcast_in_dim((one != one).astype(dtype), shape, ())
+  return jax.lax.broadcast_in_dim(((one != one) & (one == one)).astype(dtype), shape, ())
