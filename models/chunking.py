@@ -1,6 +1,7 @@
-"""How the models' chunked backward passes split their rows (GELU MLP, Llama's MLP, attention).
+"""How the models' chunked backward passes split their rows (GELU MLP, Llama's MLP, attention),
+and the zeros their loop carries start from.
 
-Shared by :mod:`models.layers`, :mod:`models.llama` and :mod:`models.attention`,
+Shared by :mod:`models.layers`, :mod:`models.swiglu` and :mod:`models.attention`,
 which import it and nothing of each other for it.
 """
 
