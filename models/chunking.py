@@ -1,8 +1,8 @@
 """How the models' chunked backward passes split their rows (GELU MLP, Llama's MLP, attention),
 and the zeros their loop carries start from.
 
-Shared by :mod:`models.layers`, :mod:`models.swiglu` and :mod:`models.attention`,
-which import it and nothing of each other for it.
+Shared by :mod:`models.layers`, :mod:`models.swiglu`, :mod:`models.attention` and
+:mod:`models.blockwise_attention` (its zeros), which import it and nothing of each other for it.
 """
 
 import jax
