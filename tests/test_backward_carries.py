@@ -12,6 +12,7 @@ are computed from the cotangent, so they cannot exist before it.
 """
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
