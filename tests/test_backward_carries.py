@@ -20,20 +20,13 @@ import pytest
 from models.attention import attention, blockwise_attention
 from models.layers import gelu_dense
 from models.swiglu import swiglu_mlp
+from remat.unrolled_parts import _body
 
 NO_KEY = jnp.zeros((2,), jnp.uint32)
 
 
 def _normal(*shape, seed=0):
   return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
-
-
-def _sub_jaxprs(eqn):
-  """The eqn's inner jaxprs that take its operands one for one (jit, checkpoint, custom rules)."""
-  for value in eqn.params.values():
-    inner = getattr(value, 'jaxpr', value)
-    if isinstance(inner, jax.extend.core.Jaxpr) and len(inner.invars) == len(eqn.invars):
-      yield inner
 
 
 def _loop_starts(jaxpr, from_g: list[bool], found: list[bool]) -> list[bool]:
@@ -43,19 +36,19 @@ def _loop_starts(jaxpr, from_g: list[bool], found: list[bool]) -> list[bool]:
   for eqn in jaxpr.eqns:
     ins = [not isinstance(v, jax.extend.core.Literal) and v in dep for v in eqn.invars]
     name = eqn.primitive.name
-    if name == 'scan':
-      consts, carries = eqn.params['num_consts'], eqn.params['num_carry']
-      found.append(all(ins[consts:consts + carries]))
-    elif name == 'while':
-      found.append(all(ins[eqn.params['cond_nconsts'] + eqn.params['body_nconsts']:]))
-    inner = next(_sub_jaxprs(eqn), None)
-    if name not in ('scan', 'while') and inner is not None:
-      outs = _loop_starts(inner, ins, found)
-    else:
-      if name in ('scan', 'while'):   # loops nested in the body, with its carries as they start
-        body = eqn.params['jaxpr' if name == 'scan' else 'body_jaxpr'].jaxpr
-        _loop_starts(body, [True] * len(body.invars), found)
+    if name in ('scan', 'while'):
+      if name == 'scan':
+        first, body = eqn.params['num_consts'], eqn.params['jaxpr'].jaxpr
+        found.append(all(ins[first:first + eqn.params['num_carry']]))
+      else:
+        body = eqn.params['body_jaxpr'].jaxpr
+        found.append(all(ins[eqn.params['cond_nconsts'] + eqn.params['body_nconsts']:]))
+      _loop_starts(body, [True] * len(body.invars), found)   # loops nested in the body
       outs = [any(ins)] * len(eqn.outvars)
+    else:   # jit, checkpoint, custom rules: followed inside
+      inner = _body(eqn)
+      outs = ([any(ins)] * len(eqn.outvars) if inner is None
+              else _loop_starts(inner, ins, found))
     dep.update(v for v, d in zip(eqn.outvars, outs) if d)
   return [not isinstance(v, jax.extend.core.Literal) and v in dep for v in jaxpr.outvars]
 
