@@ -1,12 +1,13 @@
 """Prints docs/own-model.md's compile times: each deep public model's loss gradient, scanned and as ``auto`` lays it out.
 
     PYTHONPATH=. python -m tests.public_models.compile_times [--models vit,lm1b,gemma,gemma3]
-        [--rules full,dots,none] [--target h100] [--variants scan,auto,constant,dynamic,rank]
+        [--rules full,dots,none] [--target h100] [--variants scan,auto,loops,constant,dynamic,rank]
 
 For each model (:func:`tests.public_models.deep_case`, >= 8 layers) and rule:
 the process CPU seconds of lowering and compiling ``jax.value_and_grad`` of the
 stacked loss for the target, and its ``temp``, per variant, ``jax.clear_caches()``
 before each: ``scan``, the stack as one scan; ``auto``, the default layout;
+``loops``, the ``'loops'`` layout whatever ``auto`` would choose;
 ``constant`` and ``dynamic``, ``auto`` with :mod:`remat.unrolled` reading every
 parameter slice at a constant offset (as before commit b4c4e97) or every one at
 an opaque offset (the variant docs/own-model.md measured and did not adopt);
@@ -57,6 +58,9 @@ def compile_time(name: str, rule: str, target, variant: str) -> tuple[float, flo
   case = deep_case(name)
   stacked = case.stack(case.params)
   deepest, take = remat.layout.AUTO_UNROLL_MAX, remat.unrolled._Items.take
+  choose = remat.layout.choose_layout
+  if variant == 'loops':
+    remat.layout.choose_layout = lambda *args, **kwargs: 'loops'
   # 'scan': auto's own rule for stacks deeper than it unrolls, applied to this one.
   remat.layout.AUTO_UNROLL_MAX = 0 if variant == 'scan' else deepest
   if variant in ('constant', 'dynamic'):
@@ -70,6 +74,7 @@ def compile_time(name: str, rule: str, target, variant: str) -> tuple[float, flo
     seconds = time.process_time() - start
   finally:
     remat.layout.AUTO_UNROLL_MAX, remat.unrolled._Items.take = deepest, take
+    remat.layout.choose_layout = choose
   return seconds, compiled_memory(compiled, target.name).temp / 2**20
 
 
@@ -79,13 +84,13 @@ def main():
   ap.add_argument('--rules', default='full,dots,none')
   ap.add_argument('--target', default='h100')
   ap.add_argument('--variants', default='scan,auto',
-                  help='of scan, auto, constant, dynamic, rank; the first is the ratios\' base')
+                  help='of scan, auto, loops, constant, dynamic, rank; the first is the ratios\' base')
   args = ap.parse_args()
   target, variants = get_target(args.target), args.variants.split(',')
-  unknown = set(variants) - {'scan', 'auto', 'constant', 'dynamic', 'rank'}
+  unknown = set(variants) - {'scan', 'auto', 'loops', 'constant', 'dynamic', 'rank'}
   if unknown:
-    print(f'compile_times: unknown variants {sorted(unknown)}; valid: scan, auto, constant, '
-          'dynamic, rank', file=sys.stderr)
+    print(f'compile_times: unknown variants {sorted(unknown)}; valid: scan, auto, loops, '
+          'constant, dynamic, rank', file=sys.stderr)
     sys.exit(2)
   print(f'# loss gradient, {target.name} plan, jax {jax.__version__}; process CPU seconds of '
         f'lowering + compiling (ratio to {variants[0]}); temp in MiB')
