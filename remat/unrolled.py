@@ -43,7 +43,8 @@ import numpy as np
 
 from remat import kept_in_gradients
 from remat.unrolled_parts import (barrier, batched, hoist, inexact, materialise, matmul_operands,
-                                  primal_values, residual_origins, zero_cotangent)
+                                  plus_zero, primal_values, residual_origins, zero_after,
+                                  zero_cotangent)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +93,7 @@ class _Items:
     assert len(set(c)) == 1, 'a block of several units needs the same items per unit'
     return first, n, ((b.length,) if c[0] == 1 else (b.length, c[0]))
 
-  def take(self, tree: dict, b: Block, in_place: dict | None = None) -> dict:
+  def take(self, tree: dict, b: Block, in_place: dict | None = None, zero=None) -> dict:
     """Block b's view of ``{group: stacked}``.
 
     A leaf that a matmul reads (``in_place``: ``{group: leaf numbers}``, from
@@ -106,14 +107,23 @@ class _Items:
     with vectors alone, the plan byte for byte the same). Without
     ``in_place`` (the cotangents of per-unit outputs), a leaf of more than
     one dimension per item stays a constant slice.
+
+    ``zero`` (:func:`remat.unrolled_parts.zero_after`), where given, offsets
+    every read instead: each is then a new value that waits for the data the
+    zero was made from (the XLA CPU form of :func:`remat.unrolled.run`).
     """
     out = {}
     for g, t in tree.items():
       first, n, lead = self.span(b, g)
       if n:
-        at = jax.lax.optimization_barrier(jnp.int32(first))   # opaque to constant folding
+        at = jnp.int32(first)
+        # Opaque to constant folding. With the zero, clamped to [first, first]: with first + zero
+        # alone ViT-B/16's train step under 'full' planned as under 'none' (CPU, unrolled: 1829
+        # against 1575 MiB peak), XLA somehow seeing through it to the forward pass's reads.
+        at = (jax.lax.optimization_barrier(at) if zero is None
+              else jax.lax.clamp(at, at + zero, at))
         leaves, tdef = jax.tree_util.tree_flatten(t)
-        keep = in_place.get(g, ()) if in_place is not None else [
+        keep = () if zero is not None else in_place.get(g, ()) if in_place is not None else [
             j for j, a in enumerate(leaves) if a.ndim > 2]
         out[g] = jax.tree_util.tree_unflatten(tdef, [
             (a[first:first + n] if j in keep else jax.lax.dynamic_slice_in_dim(a, at, n)
@@ -131,7 +141,7 @@ class _Items:
     return first if n == 1 and lead == () else None
 
 
-def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True):
+def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True, cpu: bool = False):
   """Runs ``blocks`` (a partition of the units, in order) with the derivative above.
 
   Args:
@@ -142,6 +152,18 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True):
     pack: let the values that blocks keep wait in gradient rows written later
       (:mod:`remat.kept_in_gradients`); False for the references, which stand
       for the user's own loop.
+    cpu: the form for the XLA CPU backend, which drops ``optimization_barrier``
+      (so ``jax.checkpoint`` in straight-line code is undone there, its
+      recompute merged with the forward pass) and copies a whole accumulator
+      that a loop both reads and writes. Each block's reads of the stacked
+      inputs (and, where it recomputes, of its kept values) are offset by, or
+      added to, a zero made from the block's input (forward) or incoming
+      cotangent (backward)
+      (:func:`remat.unrolled_parts.zero_after`): new values that XLA can
+      neither merge with the forward pass's nor compute early. Each block's
+      gradient is a buffer of its own, joined into the ``[N, ...]`` gradient
+      at the end (unless ``pack`` stores kept values in the accumulators), as
+      in a model with per-layer parameters. False for the references.
 
   Returns:
     ``(x, ys)``: ``ys`` is ``{group: outputs stacked [items, ...]}``.
@@ -168,6 +190,10 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True):
     which.append(w)
     shape_x = jax.eval_shape(converted[w], shape_x, view, *consts[w])[0]
   meta = {}   # filled while the forward pass is traced: each block's kept values, by origin
+
+  def _zero(tree):
+    """The CPU form's zero made from ``tree`` (None on other backends or with nothing to wait on)."""
+    return zero_after(tree) if cpu and jax.tree_util.tree_leaves(tree) else None
 
   def _differentiated(accs):
     """The accumulators of differentiated leaves (``meta['grads']``); None for the others."""
@@ -201,7 +227,7 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True):
     pieces, kept, layouts = [], [], []
     inputs = []   # per block, its input's leaves (what a block with no rule may store)
     for b, w in zip(blocks, which):
-      view = items.take(xs, b, in_place)
+      view = items.take(xs, b, in_place, _zero(x))
       inputs.append(jax.tree_util.tree_leaves(x))
       if b.keeps == 'input':
         kept.append([x])
@@ -260,7 +286,10 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True):
     floats = [inexact(a) for a in xs_leaves]
     # The gradient accumulators, one per float leaf (holding kept values, when the forward pass
     # made them), and which leaves are each group's.
-    acc = list(acc) if acc is not None else _differentiated(zero_accumulators(xs))
+    pieces = cpu and acc is None   # each block's gradient its own buffer until the end
+    acc = (list(acc) if acc is not None else [None] * len(xs_leaves) if pieces
+           else _differentiated(zero_accumulators(xs)))
+    parts = [{} if g and f else None for g, f in zip(meta['grads'], floats)] if pieces else None
     spots = meta.get('spots', {})
     groups = leaf_groups(xs)
     mine = {g: [i for i, h in enumerate(groups) if h == g] for g in xs}
@@ -277,7 +306,14 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True):
       ct_x, xs = barrier((ct_x, xs))
     for bi in reversed(range(len(blocks))):
       b, w = blocks[bi], which[bi]
-      view = items.take(xs, b, in_place)
+      zero = _zero(ct_x)
+      view = items.take(xs, b, in_place, zero)
+      # Only where something is recomputed, which XLA would otherwise merge with the forward
+      # pass. Tied too, a block with no rule planned less but ran slowly: XLA fused each kept
+      # residual-stream sum, a chain of adds back through the layers, into the backward pass's
+      # fusions (ViT-B/16's train step, 'none': 1834 against 1995 MiB peak, 7.7 against 4.6 s).
+      if zero is not None and (b.recomputes or b.keeps == 'input'):
+        kept[bi] = plus_zero(kept[bi], zero)
       if meta['layouts'][bi] is None:   # a segment: run it again from its input, then back
         at = spots.get((bi, 0))
         start = kept[bi][0] if at is None else kept_in_gradients.load(acc, at)
@@ -296,13 +332,16 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True):
             leaves.append(k_leaves[j])
           else:   # ('y', (group, leaf, item)): a per-unit output, read back from the outputs
             g, lj, i = j
-            leaves.append(ys_leaves[g][lj][i])
+            leaves.append(ys_leaves[g][lj][i] if zero is None
+                          else plus_zero(ys_leaves[g][lj][i], zero))
         pull = jax.tree_util.tree_unflatten(tree, leaves)
       ct_x, ct_view, ct_kb = pull((ct_x, items.take(ct_ys, b)))
       for g, t in ct_view.items():
         first = items.span(b, g)[0]
         for i, ct in zip(mine[g], jax.tree_util.tree_leaves(items.flat(t, b, g))):
-          if acc[i] is not None:
+          if pieces and parts[i] is not None:
+            parts[i][first] = ct.astype(jnp.result_type(xs_leaves[i]))
+          elif acc[i] is not None:
             acc[i] = jax.lax.dynamic_update_slice_in_dim(acc[i], ct.astype(acc[i].dtype), first, 0)
       for i, g in enumerate(jax.tree_util.tree_leaves(ct_kb)):
         if ct_k[w][i] is not None:
@@ -319,6 +358,8 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True):
         ct_x, acc, kept[bi - 1], xs = barrier((ct_x, acc, kept[bi - 1], xs))
       else:
         ct_x, acc, xs = barrier((ct_x, acc, xs))
+    if pieces:
+      acc = [None if p is None else _joined(p, x0) for p, x0 in zip(parts, xs_leaves)]
     ct_xs = [a if f and a is not None else zero_cotangent(x0)
              for a, f, x0 in zip(acc, floats, xs_leaves)]
     ct_consts = [[g if g is not None else zero_cotangent(a) for g, a in zip(gs, k)]
@@ -347,11 +388,12 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True):
   # vmap: JAX cannot differentiate a custom_vmap outside one.)
   per_example = jax.custom_batching.custom_vmap(fn)
   per_example.def_vmap(lambda size, in_batched, x, xs, consts: _batched_run(
-      blocks, which, converted, items, inside, pack, size, in_batched, x, xs, consts))
+      blocks, which, converted, items, inside, pack, cpu, size, in_batched, x, xs, consts))
   return per_example(x, xs, consts)
 
 
-def _batched_run(blocks, which, converted, items, inside, pack, size, in_batched, x, xs, consts):
+def _batched_run(blocks, which, converted, items, inside, pack, cpu, size, in_batched, x, xs,
+                 consts):
   """:func:`run` on a batch: ``custom_vmap``'s rule for a stack traced inside ``jax.vmap``.
 
   With shared stacked inputs (the parameters) each block becomes ``jax.vmap`` of
@@ -381,8 +423,21 @@ def _batched_run(blocks, which, converted, items, inside, pack, size, in_batched
   made = {}   # blocks that share a function share its vmapped one (traced once, as before)
   vblocks = [dataclasses.replace(b, fn=made.get((w, i == 0)) or made.setdefault(
       (w, i == 0), per_block(b, w, i == 0))) for i, (b, w) in enumerate(zip(blocks, which))]
-  x, ys = run(vblocks, x, xs, items.counts, pack)
+  x, ys = run(vblocks, x, xs, items.counts, pack, cpu)
   return everything((x, jax.tree_util.tree_map(lambda a: jnp.moveaxis(a, 1, 0), ys)))
+
+
+def _joined(parts: dict, like):
+  """A leaf's gradient from its blocks' pieces (``{first item: [items, ...]}``), rows not written zero."""
+  rows, out, at = np.shape(like)[0], [], 0
+  for first in sorted(parts):
+    if first > at:
+      out.append(jnp.zeros((first - at,) + np.shape(like)[1:], jnp.result_type(like)))
+    out.append(parts[first])
+    at = first + np.shape(parts[first])[0]
+  if at < rows:
+    out.append(jnp.zeros((rows - at,) + np.shape(like)[1:], jnp.result_type(like)))
+  return out[0] if len(out) == 1 else jnp.concatenate(out)
 
 
 def zero_accumulators(xs: dict) -> list:

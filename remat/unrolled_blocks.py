@@ -173,12 +173,13 @@ def run(unit, x, xs: dict, counts: dict, num_units: int, policy: Policy, layout:
     blocks += _part_blocks(unit, start, count, part, layout, lean,
                            tail_unit if last else None, unit_at)
     start += count
-  # On the CPU a one-iteration loop takes its inputs as operands, not constants, and there storing
-  # kept values in gradient rows made plans larger (the MLP of tests/test_kept_in_gradients.py,
-  # 'loops', 'full': 395200 -> 468928 bytes); the CPU's default layout is the scan anyway.
-  pack = (lean and (layout != 'loops' or target_platform() == 'gpu')
-          and kept_in_gradients.active())
-  return unrolled.run(blocks, x, xs, counts, pack=pack)
+  # On the CPU storing kept values in gradient rows made plans larger: a one-iteration loop takes
+  # its inputs as operands, not constants (the MLP of tests/test_kept_in_gradients.py, 'loops',
+  # 'full': 395200 -> 468928 bytes), and XLA copies an accumulator that is read and written
+  # (ViT-B/16's train step, 'unrolled', 'full', per-block gradients: 1575 -> 2230 MiB peak).
+  gpu = target_platform() == 'gpu'
+  pack = lean and gpu and kept_in_gradients.active()
+  return unrolled.run(blocks, x, xs, counts, pack=pack, cpu=lean and not gpu)
 
 
 def run_plain(unit, x, xs, num_units: int, policy: Policy, layout: str, lean: bool = True):

@@ -108,6 +108,30 @@ def barrier(tree):
   return jax.tree_util.tree_unflatten(tdef, leaves)
 
 
+def zero_after(tree) -> jax.Array:
+  """An int32 zero that XLA can neither fold nor compute before ``tree``'s first leaf.
+
+  ``clamp(0, b, 0)`` of one element ``b`` of that leaf (a float's bits): 0 for
+  every value, NaN and inf included, and XLA's simplifier leaves a clamp with
+  equal bounds alone. The XLA CPU backend drops ``optimization_barrier``, so an
+  offset or an addend made from it is how a read there waits for the data and
+  stays apart from the same read elsewhere (:func:`remat.unrolled.run`).
+  """
+  leaf = jnp.ravel(jax.tree_util.tree_leaves(tree)[0])[0]
+  if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
+    leaf = jnp.real(leaf)
+  bits = (jax.lax.bitcast_convert_type(leaf.astype(jnp.float32), jnp.int32)
+          if jnp.issubdtype(leaf.dtype, jnp.floating) else leaf.astype(jnp.int32))
+  return jax.lax.clamp(jnp.int32(0), bits, jnp.int32(0))
+
+
+def plus_zero(tree, zero):
+  """``tree`` with ``zero`` (:func:`zero_after`) added to each float leaf: the same values, new arrays."""
+  return jax.tree_util.tree_map(
+      lambda a: a + zero.astype(a.dtype) if a is not None and inexact(a) else a, tree,
+      is_leaf=lambda a: a is None)
+
+
 def batched(tree) -> bool:
   """True when a leaf of ``tree`` is being batched by ``jax.vmap`` (the stack is traced inside one).
 
