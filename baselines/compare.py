@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help='JAX side: AdamW applied layer by layer in the backward pass '
                       '(remat.fused_update), so no whole-stack gradient exists; its global-norm '
                       'clip becomes a clip per layer. Models without dropout (vit, llama)')
+  p.add_argument('--layout', default='auto', metavar='LAYOUT',
+                 help='JAX side: how the layer stack becomes a program: auto, scan, unrolled, '
+                      'loops, groups (auto: the scan on the CPU; the parameters are the same '
+                      'under every layout; docs/own-model.md)')
   p.add_argument('--json', metavar='FILE', help='write every figure of both sides and the environment')
   p.add_argument('--plot', metavar='FILE',
                  help='write a PNG: peak memory per family, JAX vs PyTorch, time ratio annotated')
@@ -161,6 +165,7 @@ class Setup:
   families: tuple[str, ...]    # requested, known names, in the order given
   steps: int
   fused: bool = False          # JAX side runs training.step.fused_step's step
+  layout: str = 'auto'         # JAX side: remat.layout.LAYOUTS
 
   @property
   def vision(self) -> bool:
@@ -223,7 +228,17 @@ def resolve(args) -> Setup:
     if drop:
       raise CompareError(f'--fused-update runs models without dropout; {named.name} has '
                          + ', '.join(f'{k} {v}' for k, v in drop.items()))
-  return Setup(args.model, arch, named, args.batch_size, size, families, args.steps, fused)
+  layout = getattr(args, 'layout', 'auto')
+  from remat.layout import check_layout
+  try:
+    check_layout(layout)
+  except ValueError as e:
+    raise CompareError(str(e)) from None
+  if fused and layout != 'auto':
+    raise CompareError('--fused-update runs its own reverse loop over the stack; --layout '
+                       'applies to the ordinary step')
+  return Setup(args.model, arch, named, args.batch_size, size, families, args.steps, fused,
+               layout)
 
 
 def load_torch():
@@ -335,7 +350,7 @@ def environment(setup: Setup) -> dict:
       'host_malloc': host_malloc(),
       'model': setup.model, 'arch': setup.arch, 'config': setup.named.name,
       'batch_size': setup.batch_size, **shape, 'dtype': 'float32', 'steps': setup.steps,
-      'jax_step': 'fused update' if setup.fused else 'ordinary',
+      'jax_step': 'fused update' if setup.fused else 'ordinary', 'jax_layout': setup.layout,
   }
 
 
@@ -391,7 +406,7 @@ def compare(setup: Setup, torch_modules, progress=None) -> dict:
   jax_runs, rows = {}, []
   none_flops = None
   if 'none' not in families:  # the JAX recompute ratio needs none's FLOPs (jaxpr walk only)
-    none_flops = step_flops(cfg, 'none', setup.batch_size, setup.size).flops
+    none_flops = step_flops(cfg, 'none', setup.batch_size, setup.size, setup.layout).flops
   todo = [(f, side) for f in families for side in ('jax', 'torch')]
   bar = progress(total=len(todo)) if progress else None
   for family in families:
@@ -401,7 +416,7 @@ def compare(setup: Setup, torch_modules, progress=None) -> dict:
     if spec not in jax_runs:
       gc.collect()
       jax_runs[spec] = measure(cfg, spec, setup.batch_size, setup.size, target, run=True,
-                               time_steps=setup.steps, fused=setup.fused)
+                               time_steps=setup.steps, fused=setup.fused, layout=setup.layout)
       if spec == 'none':
         none_flops = jax_runs[spec].flops.flops
     if bar:

@@ -39,7 +39,9 @@ def header(result: dict) -> str:
           f"transformers {env['transformers']}; host malloc {env['host_malloc']}; "
           f"median of {env['steps']} steps"
           + ('; JAX step: AdamW applied layer by layer in the backward pass (--fused-update)'
-             if env.get('jax_step') == 'fused update' else ''))
+             if env.get('jax_step') == 'fused update' else '')
+          + (f"; JAX layout {env['jax_layout']}" if env.get('jax_layout', 'auto') != 'auto'
+             else ''))
 
 
 _COLS = (f"{'family':<11}{'side':<9}{'policy':<12}{'peak':>12}{'activation':>12}{'FLOPs':>11}"

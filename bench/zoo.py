@@ -214,7 +214,8 @@ def case(model_cfg, batch_size: int, size: int, layout: str = 'auto', *, microba
 
 
 def measure(model_cfg, spec: str | Policy, batch_size: int, size: int, target: Target,
-            run: bool = False, time_steps: int = 5, fused: bool = False) -> Measurement:
+            run: bool = False, time_steps: int = 5, fused: bool = False,
+            layout: str = 'auto') -> Measurement:
   """Measures the train step (forward, backward, AdamW; state donated) under ``spec``.
 
   Args:
@@ -227,8 +228,9 @@ def measure(model_cfg, spec: str | Policy, batch_size: int, size: int, target: T
     time_steps: timed steps after 2 warm-up steps.
     fused: measure :mod:`training.step.fused_step`'s step (the optimizer applied layer by
       layer in the backward pass) instead of the ordinary one.
+    layout: how the model's stacks become a program (:data:`remat.layout.LAYOUTS`).
   """
-  c = case(model_cfg, batch_size, size)
+  c = case(model_cfg, batch_size, size, layout)
   policy = c.policy(spec)
   if fused:
     return measuring.measure_policy(c.fused_train_step(policy), *c.fused_step_args(),
@@ -247,9 +249,9 @@ def step_memory(model_cfg, spec: str | Policy, batch_size: int, size: int,
   return measuring.step_memory(c.train_step(c.policy(spec)), *c.step_args(), target=target)
 
 
-def step_flops(model_cfg, spec: str | Policy, batch_size: int, size: int):
+def step_flops(model_cfg, spec: str | Policy, batch_size: int, size: int, layout: str = 'auto'):
   """Matmul/conv FLOPs of the train step, recompute included (jaxpr walk, nothing compiled)."""
-  c = case(model_cfg, batch_size, size)
+  c = case(model_cfg, batch_size, size, layout)
   return measuring.step_flops(c.train_step(c.policy(spec)), *c.step_args())
 
 

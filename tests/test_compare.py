@@ -141,6 +141,10 @@ def test_vision(tmp_path, capsys, argv, families, skipped):
      'a ResNet has one per stage'),
     (['--model', 'gpt2', '--config', 'tiny', '--batch-size', '2', '--fused-update'],
      'runs models without dropout; tiny has dropout 0.1'),
+    (['--model', 'gpt2', '--config', 'tiny', '--batch-size', '2', '--layout', 'rolled'],
+     "unknown layout 'rolled'; valid: auto, scan, unrolled, loops, groups"),
+    (['--model', 'vit', '--config', 'vit-tiny', '--batch-size', '2', '--fused-update',
+      '--layout', 'unrolled'], '--layout applies to the ordinary step'),
 ])
 def test_one_line_errors(capsys, argv, message):
   assert compare.main(argv) == 2
@@ -184,6 +188,23 @@ def test_fused_update_rows(tmp_path, capsys):
     assert j['step_flops'] == ordinary['step_flops']
     assert j['residual_bytes'] == ordinary['residual_bytes']
     assert j['peak_bytes'] < ordinary['peak_bytes']
+
+
+# slow: two baselines.compare runs; the layouts' gradients and plans are tests/test_layouts.py's and
+# tests/test_unrolled_cpu.py's, in the default suite.
+@pytest.mark.slow
+def test_layout_rows(tmp_path, capsys):
+  argv = ['--model', 'vit', '--config', 'vit-tiny', '--batch-size', '2', '--families', 'none,block']
+  scanned, _ = _run(tmp_path, capsys, argv)
+  unrolled, text = _run(tmp_path, capsys, argv + ['--layout', 'unrolled'])
+  rows = _check_rows(unrolled, ['none', 'block'])
+  assert unrolled['environment']['jax_layout'] == 'unrolled'
+  assert text.splitlines()[0].endswith('; JAX layout unrolled')
+  for family in ('none', 'block'):
+    scan = {r['family']: r for r in scanned['families']}[family]['jax']
+    # another program for the same model and policy: the same matmuls, another plan
+    assert rows[family]['jax']['step_flops'] == scan['step_flops']
+    assert rows[family]['jax']['temp'] != scan['temp']
 
 
 def test_missing_torch_is_a_one_line_error(capsys, monkeypatch):
