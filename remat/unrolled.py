@@ -286,10 +286,10 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True, cpu: 
     floats = [inexact(a) for a in xs_leaves]
     # The gradient accumulators, one per float leaf (holding kept values, when the forward pass
     # made them), and which leaves are each group's.
-    pieces = cpu and acc is None   # each block's gradient its own buffer until the end
-    acc = (list(acc) if acc is not None else [None] * len(xs_leaves) if pieces
+    apart = cpu and acc is None   # each block's gradient its own buffer until the end
+    acc = (list(acc) if acc is not None else [None] * len(xs_leaves) if apart
            else _differentiated(zero_accumulators(xs)))
-    parts = [{} if g and f else None for g, f in zip(meta['grads'], floats)] if pieces else None
+    parts = [{} if g and f else None for g, f in zip(meta['grads'], floats)] if apart else None
     spots = meta.get('spots', {})
     groups = leaf_groups(xs)
     mine = {g: [i for i, h in enumerate(groups) if h == g] for g in xs}
@@ -339,7 +339,7 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True, cpu: 
       for g, t in ct_view.items():
         first = items.span(b, g)[0]
         for i, ct in zip(mine[g], jax.tree_util.tree_leaves(items.flat(t, b, g))):
-          if pieces and parts[i] is not None:
+          if apart and parts[i] is not None:
             parts[i][first] = ct.astype(jnp.result_type(xs_leaves[i]))
           elif acc[i] is not None:
             acc[i] = jax.lax.dynamic_update_slice_in_dim(acc[i], ct.astype(acc[i].dtype), first, 0)
@@ -358,7 +358,7 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True, cpu: 
         ct_x, acc, kept[bi - 1], xs = barrier((ct_x, acc, kept[bi - 1], xs))
       else:
         ct_x, acc, xs = barrier((ct_x, acc, xs))
-    if pieces:
+    if apart:
       acc = [None if p is None else _joined(p, x0) for p, x0 in zip(parts, xs_leaves)]
     ct_xs = [a if f and a is not None else zero_cotangent(x0)
              for a, f, x0 in zip(acc, floats, xs_leaves)]
@@ -428,16 +428,13 @@ def _batched_run(blocks, which, converted, items, inside, pack, cpu, size, in_ba
 
 
 def _joined(parts: dict, like):
-  """A leaf's gradient from its blocks' pieces (``{first item: [items, ...]}``), rows not written zero."""
-  rows, out, at = np.shape(like)[0], [], 0
-  for first in sorted(parts):
-    if first > at:
-      out.append(jnp.zeros((first - at,) + np.shape(like)[1:], jnp.result_type(like)))
-    out.append(parts[first])
-    at = first + np.shape(parts[first])[0]
-  if at < rows:
-    out.append(jnp.zeros((rows - at,) + np.shape(like)[1:], jnp.result_type(like)))
-  return out[0] if len(out) == 1 else jnp.concatenate(out)
+  """A leaf's gradient from its blocks' pieces, ``{first item: [items, ...]}``, in item order.
+
+  The blocks partition the units, so the pieces cover every row of ``like``.
+  """
+  pieces = [parts[first] for first in sorted(parts)]
+  assert sum(np.shape(p)[0] for p in pieces) == np.shape(like)[0], 'pieces miss rows'
+  return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
 
 
 def zero_accumulators(xs: dict) -> list:

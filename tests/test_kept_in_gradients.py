@@ -19,19 +19,7 @@ from numerics import assert_trees_close
 from remat import kept_in_gradients, scan_layers
 from remat.layout import compiling_for
 from remat.measuring import step_memory
-
-L, B, D, H = 8, 64, 32, 64
-
-
-def _args():
-  k1, k2 = jax.random.split(jax.random.PRNGKey(0))
-  return ((jax.random.normal(k1, (L, D, H)) * 0.1, jax.random.normal(k2, (L, H, D)) * 0.1),
-          jax.random.normal(jax.random.PRNGKey(1), (B, D)))
-
-
-def _loss(spec, layout):
-  layer = lambda w, h: h + jnp.tanh(h @ w[0]) @ w[1]
-  return lambda params, x: jnp.mean(scan_layers(layer, params, x, policy=spec, layout=layout) ** 2)
+from stack_cases import mlp_args, mlp_loss
 
 
 def _without_storing(monkeypatch):
@@ -70,10 +58,10 @@ def test_same_gradients_with_and_without_storing(layout, monkeypatch):
   monkeypatch.setattr(kept_in_gradients, 'place', lambda *a: stored.append(place(*a)) or stored[-1])
   for spec in ('full', 'dots', 'sqrt', 'none'):
     with compiling_for('gpu'):   # the GPU form, run on this backend
-      got = jax.jit(jax.grad(_loss(spec, layout)))(*_args())
+      got = jax.jit(jax.grad(mlp_loss(spec, layout)))(*mlp_args())
       with monkeypatch.context() as m:
         _without_storing(m)
-        want = jax.jit(jax.grad(_loss(spec, layout)))(*_args())
+        want = jax.jit(jax.grad(mlp_loss(spec, layout)))(*mlp_args())
     assert_trees_close(got, want, err_msg=f'{spec} {layout}')
   assert any(stored), 'nothing was stored'
 
@@ -81,10 +69,10 @@ def test_same_gradients_with_and_without_storing(layout, monkeypatch):
 def _temps(target, monkeypatch, cases):
   out = {}
   for layout, spec in cases:
-    stored = step_memory(_loss(spec, layout), *_args(), target=target).temp
+    stored = step_memory(mlp_loss(spec, layout), *mlp_args(), target=target).temp
     with monkeypatch.context() as m:
       _without_storing(m)
-      out[layout, spec] = (stored, step_memory(_loss(spec, layout), *_args(), target=target).temp)
+      out[layout, spec] = (stored, step_memory(mlp_loss(spec, layout), *mlp_args(), target=target).temp)
   return out
 
 
@@ -106,7 +94,7 @@ def test_a_frozen_leaf_gets_no_rows(monkeypatch):
   monkeypatch.setattr(kept_in_gradients, 'place',
                       lambda kept, inputs, every, accs, rows: given.append(accs) or place(
                           kept, inputs, every, accs, rows))
-  (w0, w1), x = _args()
+  (w0, w1), x = mlp_args()
   layer = lambda w, h: h + jnp.tanh(h @ w[0]) @ w[1]
   loss = lambda frozen: lambda w0, w1: jnp.mean(scan_layers(
       layer, (jax.lax.stop_gradient(w0) if frozen else w0, w1), x, policy='full',

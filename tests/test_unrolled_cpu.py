@@ -16,11 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from remat import scan_layers, unrolled_blocks
+from remat import unrolled_blocks
 from remat.measuring import step_memory
 from remat.unrolled_parts import plus_zero, zero_after
-
-L, B, D, H = 8, 64, 32, 64
+from stack_cases import D, H, L, eqns, mlp_args, mlp_loss
 
 
 @pytest.mark.parametrize('value', [
@@ -46,34 +45,12 @@ def test_a_read_at_a_clamped_offset_survives_the_cpu_compiler():
   assert 'clamp' in text and 'dynamic-slice' in text
 
 
-def _args():
-  k1, k2 = jax.random.split(jax.random.PRNGKey(0))
-  return ((jax.random.normal(k1, (L, D, H)) * 0.1, jax.random.normal(k2, (L, H, D)) * 0.1),
-          jax.random.normal(jax.random.PRNGKey(1), (B, D)))
-
-
-def _loss(spec, layout):
-  layer = lambda w, h: h + jnp.tanh(h @ w[0]) @ w[1]
-  return lambda params, x: jnp.mean(scan_layers(layer, params, x, policy=spec, layout=layout) ** 2)
-
-
-def _eqns(jaxpr):
-  for e in jaxpr.eqns:
-    yield e
-    for p in e.params.values():
-      for q in (p if isinstance(p, (tuple, list)) else (p,)):
-        if isinstance(q, jax.extend.core.ClosedJaxpr):
-          yield from _eqns(q.jaxpr)
-        elif isinstance(q, jax.extend.core.Jaxpr):
-          yield from _eqns(q)
-
-
 @pytest.mark.parametrize('spec', ['full', 'none'])
 def test_every_read_of_the_stack_is_at_an_offset_made_from_the_data(spec):
-  traced = jax.make_jaxpr(jax.grad(_loss(spec, 'unrolled')))(*_args()).jaxpr
-  eqns = [e for e in _eqns(traced) if any(f.file_name.endswith('remat/unrolled.py')
+  traced = jax.make_jaxpr(jax.grad(mlp_loss(spec, 'unrolled')))(*mlp_args()).jaxpr
+  mine = [e for e in eqns(traced) if any(f.file_name.endswith('remat/unrolled.py')
                                           for f in e.source_info.traceback.frames)]
-  shapes = lambda prim: [tuple(e.invars[0].aval.shape) for e in eqns if e.primitive.name == prim]
+  shapes = lambda prim: [tuple(e.invars[0].aval.shape) for e in mine if e.primitive.name == prim]
   matrices = {(L, D, H), (L, H, D)}
   assert not matrices & set(shapes('slice'))
   # each matrix read by every block in the forward and the backward pass
@@ -82,10 +59,10 @@ def test_every_read_of_the_stack_is_at_an_offset_made_from_the_data(spec):
 
 
 def _temps(layout, spec, monkeypatch):
-  cpu = step_memory(_loss(spec, layout), *_args(), target='cpu').temp
+  cpu = step_memory(mlp_loss(spec, layout), *mlp_args(), target='cpu').temp
   with monkeypatch.context() as m:   # the GPU form (stored kept values, barriers), on this backend
     m.setattr(unrolled_blocks, 'target_platform', lambda: 'gpu')
-    gpu = step_memory(_loss(spec, layout), *_args(), target='cpu').temp
+    gpu = step_memory(mlp_loss(spec, layout), *mlp_args(), target='cpu').temp
   return cpu, gpu
 
 
@@ -101,6 +78,6 @@ def test_cpu_form_plans_less_than_the_gpu_form_on_cpu(layout, spec, monkeypatch)
 
 
 def test_unrolled_checkpoints_hold_on_cpu():
-  none = step_memory(_loss('none', 'unrolled'), *_args(), target='cpu').temp
+  none = step_memory(mlp_loss('none', 'unrolled'), *mlp_args(), target='cpu').temp
   for spec in ('full', 'sqrt'):
-    assert step_memory(_loss(spec, 'unrolled'), *_args(), target='cpu').temp < none, spec
+    assert step_memory(mlp_loss(spec, 'unrolled'), *mlp_args(), target='cpu').temp < none, spec

@@ -22,6 +22,7 @@ from numerics import assert_trees_close
 from remat import scan_layers
 from remat.layout import compiling_for
 from remat.unrolled_parts import matmul_operands
+from stack_cases import eqns
 
 N, D, H, B = 4, 8, 16, 2
 
@@ -70,17 +71,6 @@ def _params():
           'g': jnp.ones((N, 2, H // 2)), 'w2': jax.random.normal(k2, (N, H, D)) / H ** 0.5}
 
 
-def _eqns(jaxpr):
-  for e in jaxpr.eqns:
-    yield e
-    for p in e.params.values():
-      for q in (p if isinstance(p, (tuple, list)) else (p,)):
-        if isinstance(q, jax.extend.core.ClosedJaxpr):
-          yield from _eqns(q.jaxpr)
-        elif isinstance(q, jax.extend.core.Jaxpr):
-          yield from _eqns(q)
-
-
 @pytest.mark.parametrize('spec', ['full', 'dots', 'none'])
 def test_stack_reads_matrices_at_constant_offsets_and_the_rest_opaquely(spec):
   x = jnp.ones((B, D))
@@ -88,10 +78,10 @@ def test_stack_reads_matrices_at_constant_offsets_and_the_rest_opaquely(spec):
   # the loop's own reads and writes (the stack's checks also trace layer 0, which XLA drops)
   with compiling_for('gpu'):
     traced = jax.make_jaxpr(jax.grad(loss))(_params()).jaxpr
-  eqns = [e for e in _eqns(traced)
+  mine = [e for e in eqns(traced)
           if any(f.file_name.endswith('remat/unrolled.py')
                  for f in e.source_info.traceback.frames)]
-  shapes = lambda prim: [tuple(e.invars[0].aval.shape) for e in eqns if e.primitive.name == prim]
+  shapes = lambda prim: [tuple(e.invars[0].aval.shape) for e in mine if e.primitive.name == prim]
   # the scale has two dimensions per layer, as a q/k/v bias [heads, head_dim] has, and no
   # matmul reads it: the rank alone does not make a leaf a matrix
   matrices, vectors = {(N, D, H), (N, H, D)}, {(N, H), (N, 2, H // 2)}
