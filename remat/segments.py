@@ -17,7 +17,9 @@ per-layer rule to *each layer inside it*. The policy decides the loop nest:
 * segmented (``sqrt``, ``seg:K``, ``stage``): a scan over U // K segments,
   each in ``jax.checkpoint(policy=nothing_saveable)`` so only its input is
   saved, the per-layer rule (for ``none`` the lean one) applied to every layer
-  inside it, then one remainder segment of U % K units;
+  inside it, then one remainder segment of U % K units. Where there are
+  several segments of at most :data:`remat.layout.AUTO_UNROLL_MAX` units, a
+  segment runs its units in turn (:func:`in_turn`), else as a scan;
 * a mix (``4xfull+none``): consecutive runs of units, each as above under its
   own part.
 
@@ -41,11 +43,13 @@ from __future__ import annotations
 
 from typing import Callable
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from remat import shared_outputs, stored_scan
-from remat.layout import lean_saveable
+from remat import shared_outputs, stored_scan, unrolled_blocks
+from remat.layout import AUTO_UNROLL_MAX, lean_saveable, target_platform
 from remat.policies import Policy
 
 _nothing = jax.checkpoint_policies.nothing_saveable
@@ -130,7 +134,10 @@ def run_units(unit: Unit, x, xs, num_units: int, policy: Policy):
   main, tail = _split_stacked(xs, num_units, size)
 
   def segment(length: int, prevent_cse: bool) -> Callable:
-    run = lambda x, seg_xs: jax.lax.scan(unit(rule, length == 1), x, seg_xs)
+    if full > 1 and 1 < length <= AUTO_UNROLL_MAX:   # the layers in turn: see in_turn's note
+      run = lambda x, seg_xs: in_turn(unit, x, seg_xs, length, policy)
+    else:
+      run = lambda x, seg_xs: jax.lax.scan(unit(rule, length == 1), x, seg_xs)
     return jax.checkpoint(run, policy=_nothing, prevent_cse=prevent_cse)
 
   # Segments are a loop even when there is one (a `stage`), so that with
@@ -144,6 +151,38 @@ def run_units(unit: Unit, x, xs, num_units: int, policy: Policy):
     x, ys_rest = jax.lax.scan(segment(rest, prevent_cse=True), x, _add_axis(tail))
     ys = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b[0]]), ys, ys_rest)
   return x, ys
+
+
+def in_turn(unit: Unit, x, xs, length: int, policy: Policy):
+  """A segment's ``length`` units as :mod:`remat.unrolled`'s Python loop, each under the rule.
+
+  As an inner scan, a segment's recompute read each layer's parameters once
+  and kept what it read until that layer's backward step (on the CPU a copy:
+  the segment's ``[K, ...]`` slice of every parameter), and wrote the
+  segment's gradient into ``[K, ...]`` stacks. :func:`remat.unrolled.run`
+  reads a layer's parameters again in its backward step and frees each
+  layer's kept values after it, and JAX drops from the recompute the last
+  matmul that only the segment's output needs. ViT-B/16's train step (batch
+  8, peak of the plan): ``sqrt`` 1784 -> 1689 MiB on the CPU, 1743 -> 1664 on
+  the H100 plan (docs/own-model.md has the rest).
+
+  The layers run as ``loops``, each in a loop of one iteration, which keeps
+  its checkpoint: as plain straight-line layers, XLA merged the matmuls of a
+  layer's recompute and backward on a GPU (our ``vit-tiny``, 8 layers,
+  ``sqrt``, H100 plan: 30.47 MiB of ``temp``, 21.21 as loops) and planned more
+  for four of the six public models of tests/public_models on the CPU (the
+  big_vision ViT's ``sqrt``: 9.90 MiB, 8.86 as loops). Under ``dots`` on the
+  CPU they run as ``unrolled``, which planned less than the inner scan on the
+  five public models whose plans changed, and less than loops on four (the
+  ViT's ``dots@sqrt``: 7.22 against 8.32 MiB; the U-Net's 65.69 against
+  63.87), as the ``unrolled`` layout does under ``dots`` for a whole stack. Units are unrolled, so only
+  segments of at most :data:`remat.layout.AUTO_UNROLL_MAX` units run in turn.
+  """
+  per_layer = dataclasses.replace(policy, segment=None, spec=policy.spec.split('@')[0]
+                                  if '@' in policy.spec else 'none')
+  straight = target_platform() != 'gpu' and per_layer.rule in ('dots', 'dots_no_batch')
+  return unrolled_blocks.run_plain(unit, x, xs, length, per_layer,
+                                   'unrolled' if straight else 'loops')
 
 
 def _run_mix(unit: Unit, x, xs, num_units: int, policy: Policy):

@@ -93,10 +93,16 @@ def test_fused_update_table(tmp_path, capsys):
     assert report.main(argv + flag + ['--json', str(out)]) == 0
     temps[bool(flag)] = {r['policy']: r for r in json.loads(out.read_text())['policies']}
   assert 'fused train step (AdamW per layer in the backward pass)' in capsys.readouterr().out
+  # vit-tiny: 4 layers of width 96, MLP 192, 64 patches + 1 class token, batch 2; sqrt: 2 segments.
+  # The ordinary step's segments run their layers in turn, so JAX drops the one matmul whose
+  # output only the segment's output needs (the last layer's MLP output projection) from each
+  # segment's recompute; the fused step's segments are scans, which recompute it.
+  unused = {'none': 0, 'full': 0, 'sqrt': 2 * 2 * (2 * 65) * 192 * 96}
   for spec in ('none', 'full', 'sqrt'):
     ordinary, fused = temps[False][spec], temps[True][spec]
     # the same matmuls and residuals, without the stacked gradient buffer
-    assert fused['flops'] == ordinary['flops'] and fused['residual_bytes'] == ordinary['residual_bytes']
+    assert fused['flops'] - unused[spec] == ordinary['flops']
+    assert fused['residual_bytes'] == ordinary['residual_bytes']
     assert fused['temp'] < ordinary['temp']
 
 
