@@ -41,9 +41,8 @@ step is compiled with :data:`remat.targets.CPU_COMPILER_OPTIONS`
 
 from __future__ import annotations
 
-from typing import Callable
-
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
