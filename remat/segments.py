@@ -173,9 +173,10 @@ def in_turn(unit: Unit, x, xs, length: int, policy: Policy):
   big_vision ViT's ``sqrt``: 9.90 MiB, 8.86 as loops). Under ``dots`` on the
   CPU they run as ``unrolled``, which planned less than the inner scan on the
   five public models whose plans changed, and less than loops on four (the
-  ViT's ``dots@sqrt``: 7.22 against 8.32 MiB; the U-Net's 65.69 against
-  63.87), as the ``unrolled`` layout does under ``dots`` for a whole stack. Units are unrolled, so only
-  segments of at most :data:`remat.layout.AUTO_UNROLL_MAX` units run in turn.
+  ViT's ``dots@sqrt``: 7.22 against 8.32 MiB; the exception, the U-Net: 65.69
+  against 63.87), as the ``unrolled`` layout does under ``dots`` for a whole
+  stack. Units are unrolled, so only segments of at most
+  :data:`remat.layout.AUTO_UNROLL_MAX` units run in turn.
   """
   per_layer = dataclasses.replace(policy, segment=None, spec=policy.spec.split('@')[0]
                                   if '@' in policy.spec else 'none')
