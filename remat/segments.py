@@ -178,8 +178,8 @@ def in_turn(unit: Unit, x, xs, length: int, policy: Policy):
   stack. Units are unrolled, so only segments of at most
   :data:`remat.layout.AUTO_UNROLL_MAX` units run in turn.
   """
-  per_layer = dataclasses.replace(policy, segment=None, spec=policy.spec.split('@')[0]
-                                  if '@' in policy.spec else 'none')
+  rule_spec, at, _ = policy.spec.partition('@')   # 'dots@sqrt' -> dots; 'sqrt' is none@sqrt
+  per_layer = dataclasses.replace(policy, segment=None, spec=rule_spec if at else 'none')
   straight = target_platform() != 'gpu' and per_layer.rule in ('dots', 'dots_no_batch')
   return unrolled_blocks.run_plain(unit, x, xs, length, per_layer,
                                    'unrolled' if straight else 'loops')

@@ -12,8 +12,8 @@ import pytest
 
 from remat import scan_layers, segments
 from remat.measuring import step_flops, step_memory
-from remat.tags import sub_jaxprs
 from tests.own_model import BATCH, DEPTH, HIDDEN, WIDTH, inputs, mlp, stacked_params
+from tests.stack_cases import eqns
 
 ARGS = (stacked_params(), inputs())
 
@@ -41,17 +41,12 @@ def test_the_segment_output_matmul_is_not_recomputed(monkeypatch):
   assert scanned.flops - in_turn.flops == (DEPTH // 4) * 2 * BATCH * HIDDEN * WIDTH
 
 
-def _nested_scans(jaxpr, depth=0) -> int:
-  """Scans over more than one step inside another scan's body (a layer in turn may be a loop of
+def _nested_scans(jaxpr) -> bool:
+  """A scan over more than one step inside another scan's body (a layer in turn may be a loop of
   one iteration: the ``loops`` layout)."""
-  found = 0
-  for eqn in jaxpr.eqns:
-    inner = depth + (eqn.primitive.name == 'scan')
-    found += eqn.primitive.name == 'scan' and eqn.params['length'] > 1 and depth > 0
-    for param in eqn.params.values():
-      for sub in sub_jaxprs(param):
-        found += _nested_scans(sub, inner)
-  return found
+  return any(e.primitive.name == 'scan' and e.params['length'] > 1
+             for outer in eqns(jaxpr) if outer.primitive.name == 'scan'
+             for e in eqns(outer.params['jaxpr'].jaxpr))
 
 
 @pytest.mark.parametrize('spec, limit, nested', [
@@ -63,7 +58,7 @@ def _nested_scans(jaxpr, depth=0) -> int:
 def test_which_segments_run_in_turn(spec, limit, nested, monkeypatch):
   monkeypatch.setattr(segments, 'AUTO_UNROLL_MAX', limit)
   jaxpr = jax.make_jaxpr(jax.grad(loss(spec)))(*ARGS).jaxpr
-  assert bool(_nested_scans(jaxpr)) == nested
+  assert _nested_scans(jaxpr) == nested
 
 
 @pytest.mark.gpu_plan
