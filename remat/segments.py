@@ -23,9 +23,13 @@ per-layer rule to *each layer inside it*. The policy decides the loop nest:
 * a mix (``4xfull+none``): consecutive runs of units, each as above under its
   own part.
 
-On a GPU plan the per-layer scan and the scan over segments keep what they
-save in the gradient rows their backward loop writes later
-(:mod:`remat.stored_scan`); the gradients are the plain scan's.
+On a GPU plan the per-layer scan keeps what it saves in the gradient rows its
+backward loop writes later (:mod:`remat.stored_scan`), and a segmented stack
+rebuilds each segment into those rows (:mod:`remat.stored_segments`), unless
+its units save far more than their rows hold
+(:func:`remat.stored_segments.pays_off`): then the scan over checkpointed
+segments keeps each segment's input in its rows. The gradients are the plain
+scan's.
 
 Nothing else wraps a unit, so a rule is never overridden by an outer
 checkpoint: a pattern's repeat under ``full`` saves what ``full`` saves for
@@ -47,7 +51,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from remat import shared_outputs, stored_scan, unrolled_blocks
+from remat import shared_outputs, stored_scan, stored_segments, unrolled_blocks
 from remat.layout import AUTO_UNROLL_MAX, lean_saveable, target_platform
 from remat.policies import Policy
 
@@ -130,6 +134,8 @@ def run_units(unit: Unit, x, xs, num_units: int, policy: Policy):
       return stored_scan.run(unit(rule, False), x, xs)
     return jax.lax.scan(unit(rule, False), x, xs)
   full, rest = divmod(num_units, size)
+  if stored_segments.applies(x, xs) and stored_segments.pays_off(unit(rule, False), x, xs, size):
+    return stored_segments.run(unit(rule, False), x, xs, size)
   main, tail = _split_stacked(xs, num_units, size)
 
   def segment(length: int, prevent_cse: bool) -> Callable:

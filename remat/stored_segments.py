@@ -1,0 +1,305 @@
+"""A segmented scan whose backward pass rebuilds each segment into the gradient rows it writes.
+
+A segmenting (``sqrt``, ``seg:K``, ``RULE@sqrt``) as a scan over segments in
+``jax.checkpoint`` saves only each segment's input, and its backward step
+rebuilds the segment under the per-layer rule. On a GPU plan that step also
+read the segment's ``[K, ...]`` slice of every parameter into a buffer of its
+own and built the segment's ``[K, ...]`` gradient apart from the stack's,
+before writing it into the stack's gradient: two segments' worth of
+parameters beside the gradient. Llama-3.2-1B's train step (batch 1 x 2048,
+bfloat16, H100 plan) planned 7.06 GiB of ``temp`` under ``sqrt`` against 5.19
+under ``none`` (docs/own-model.md).
+
+:func:`run` gives the segmented stack one derivative over its units, like
+:mod:`remat.stored_scan` does for a per-layer rule. The forward pass runs the
+units and writes each segment's input into the rows of the gradient
+accumulators of that segment's units (``[U, row]`` per float parameter leaf).
+The backward pass takes the segments in reverse; for each it reads the input
+back, reruns the segment's units one at a time, writing what the per-layer
+rule saves for each unit into that unit's rows (the segment's input is no
+longer needed there), then runs the units' backward steps in reverse, each
+reading its values out of its rows and writing its gradient over them. What
+does not fit in the rows stays a loop output, as in :mod:`remat.stored_scan`.
+A remainder segment (U % K units) is the last segment, shorter. Each unit's
+backward step is ``jax.vjp`` of the same unit, so the gradients are the plain
+scan's, and only one unit's parameters are read at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from remat import stored_scan
+from remat.stored_scan import _from_bits, _load, _plan, _to_bits
+from remat.unrolled_parts import (hoist, inexact, materialise, primal_values, residual_origins,
+                                  zero_cotangent)
+
+
+def applies(x, xs) -> bool:
+  """Whether :func:`run` serves a segmented stack over ``xs``: as :func:`remat.stored_scan.applies`."""
+  return stored_scan.applies(x, xs)
+
+
+def _span(pieces: tuple, row: dict) -> tuple:
+  """A segment plan's pieces ``(leaf, offset, size)``, offsets within the segment's rows, cut at
+  unit rows: ``(leaf, unit in segment, offset in its row, size)``."""
+  out = []
+  for leaf, offset, size in pieces:
+    while size:
+      unit, at = divmod(offset, row[leaf])
+      take = min(size, row[leaf] - at)
+      out.append((leaf, unit, at, take))
+      offset, size = offset + take, size - take
+  return tuple(out)
+
+
+def _store(accs: list, pieces: tuple, value, start):
+  """Writes ``value`` into the rows from unit ``start`` on (pieces from :func:`_span`); returns
+  ``(accs, the flat part that did not fit)``."""
+  flat, done = _to_bits(value, accs[pieces[0][0]].dtype).reshape(1, -1), 0
+  for leaf, unit, at, size in pieces:
+    accs[leaf] = jax.lax.dynamic_update_slice(accs[leaf], flat[:, done:done + size],
+                                              (start + unit, at))
+    done += size
+  return accs, flat[0, done:]
+
+
+def _read(accs: list, pieces: tuple, shape, dtype, start, rest=None):
+  """The value :func:`_store` wrote from unit ``start`` on (``rest``: its part that did not fit)."""
+  parts = [jax.lax.dynamic_slice(accs[leaf], (start + unit, at), (1, size))
+           for leaf, unit, at, size in pieces]
+  if rest is not None:
+    parts.append(rest.reshape(1, -1))
+  flat = (parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)).reshape(-1)
+  return _from_bits(flat, dtype, shape)
+
+
+def _residuals(unit: Callable, x, v, k):
+  """``(output, pull's tree, origin of each residual leaf, the unit's own residuals)`` of one unit."""
+  out, pull = jax.vjp(unit, x, v, k)
+  leaves, tree = jax.tree_util.tree_flatten(pull)
+  known = ([(('s', n), a) for n, a in enumerate(jax.tree_util.tree_leaves(v))]
+           + [(('k', n), a) for n, a in enumerate(jax.tree_util.tree_leaves(k))])
+  where, mine = residual_origins(leaves, known)
+  return out, tree, where, mine
+
+
+def pays_off(step: Callable, x, xs, size: int) -> bool:
+  """Whether :func:`run` should plan less than segments in ``jax.checkpoint``, by the bytes each adds.
+
+  Checkpointed segments hold a segment's parameters twice beside the stack's
+  gradient (the slice read out of the stack, the segment's gradient built
+  apart): ``2 * size`` units' rows. :func:`run` holds none of that, but what a
+  unit saves beyond its rows waits as a loop output and each backward step
+  reads its unit's part out as a copy of its own. Measured on the H100 plan
+  (docs/own-model.md): ViT-B/16's train step at batch 8 (a unit saves 48 MB, 19
+  of them beyond its 28 MB of rows) plans 1664 -> 1504 MiB under ``sqrt``; our
+  ``vit-tiny`` at 8 layers (6.4 MB saved, 5.6 beyond its 0.3 MB of rows)
+  planned 21.21 -> 26.00 MiB, so it keeps the checkpointed segments.
+  """
+  xs_leaves, xs_def = jax.tree_util.tree_flatten(xs)
+  first = jax.tree_util.tree_unflatten(xs_def, [a[0] for a in xs_leaves])
+  converted, consts, _ = hoist(step, x, first)
+  unit = lambda x, v, k: converted(x, v, *k)
+  rows = [int(np.prod(np.shape(a)[1:], dtype=np.int64)) if inexact(a) else 0 for a in xs_leaves]
+  plan = _plan(lambda: _residuals(unit, x, first, consts), xs_leaves, rows)
+  mine = jax.eval_shape(lambda: _residuals(unit, x, first, consts)[3])
+  saved = sum(a.size * a.dtype.itemsize for a in mine)
+  in_rows = sum(n * np.dtype(xs_leaves[leaf].dtype).itemsize
+                for kind, at in plan.where if kind == 'a' for leaf, _, n in at[0])
+  row_bytes = sum(r * np.dtype(a.dtype).itemsize for r, a in zip(rows, xs_leaves))
+  return saved - in_rows <= 2 * size * row_bytes
+
+
+def run(step: Callable, x, xs, size: int):
+  """``lax.scan(step, x, xs)`` checkpointed in segments of ``size`` units, with the derivative above.
+
+  Args:
+    step: ``step(x, xs_u) -> (x, ys_u)``, one unit with the per-layer rule's
+      checkpoint inside (``prevent_cse=False`` is safe: the loops stay loops).
+    x: the carry; its shape stays the same.
+    xs: per-unit inputs stacked ``[U, ...]`` (parameters, keys, layer inputs).
+    size: units per segment (a last segment of ``U % size`` follows).
+
+  Returns:
+    ``(x, ys)`` with ``ys`` stacked ``[U, ...]``.
+  """
+  xs_leaves, xs_def = jax.tree_util.tree_flatten(xs)
+  units = int(np.shape(xs_leaves[0])[0])
+  full, rest = divmod(units, size)
+  first = jax.tree_util.tree_unflatten(xs_def, [a[0] for a in xs_leaves])
+  converted, consts, _ = hoist(step, x, first)
+  rows = [int(np.prod(np.shape(a)[1:], dtype=np.int64)) if inexact(a) else 0 for a in xs_leaves]
+  row = dict(enumerate(rows))
+  x_def = jax.tree_util.tree_structure(x)
+  x_shapes = [(np.shape(a), jnp.result_type(a)) for a in jax.tree_util.tree_leaves(x)]
+
+  def unit(x, v, k):
+    return converted(x, v, *k)
+
+  residuals = functools.partial(_residuals, unit)
+
+  def take(tree, u):
+    return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, u, keepdims=False),
+                                  tree)
+
+  def plain(x, xs, k):
+    return jax.lax.scan(lambda c, v: unit(c, v, k), x, xs)
+
+  def inputs_plan(length, grads):
+    """Where a segment of ``length`` units keeps its input: rows of its units, else a loop output."""
+    trace = lambda: (None, None, [('r', n) for n in range(len(x_shapes))],
+                     [jnp.zeros(shape, dtype) for shape, dtype in x_shapes])
+    plan = _plan(trace, xs_leaves, [r * length if g else 0 for r, g in zip(rows, grads)])
+    return [(kind, (_span(at[0], row),) + at[1:]) if kind == 'a' else (kind, at)
+            for kind, at in plan.where], plan.used
+
+  meta = {}   # the forward pass's plans, for the backward pass
+
+  def keep_input(accs, where, x, start):
+    outs = []
+    for (kind, at), value in zip(where, jax.tree_util.tree_leaves(x)):
+      if kind == 'o':
+        outs.append(value.reshape(-1))
+        continue
+      accs, left = _store(accs, at[0], value, start)
+      outs.append(left if at[3] is not None else None)
+    return accs, outs
+
+  def read_input(accs, where, outs, start):
+    leaves = []
+    for (kind, at), out, (shape, dtype) in zip(where, outs, x_shapes):
+      leaves.append(out.reshape(shape) if kind == 'o'
+                    else _read(accs, at[0], at[1], at[2], start, out))
+    return jax.tree_util.tree_unflatten(x_def, leaves)
+
+  def forward(x, xs, k):
+    # Only a differentiated leaf has gradient rows (stored_scan.run says why).
+    (x, xs, k), flags = primal_values((x, xs, k))
+    flags = flags[len(jax.tree_util.tree_leaves(x)):][:len(rows)]
+    grads = meta['grads'] = [f and r > 0 for f, r in zip(flags, rows)]
+    meta['plan'] = _plan(lambda: residuals(x, first, k), xs_leaves,
+                         [r if g else 0 for r, g in zip(rows, grads)])
+    where, used = meta['main'] = inputs_plan(size, grads) if full else ([], frozenset())
+    where_rest, used_rest = meta['rest'] = inputs_plan(rest, grads) if rest else ([], frozenset())
+    accs = [jnp.zeros((units, r), a.dtype) if i in used | used_rest else None
+            for i, (a, r) in enumerate(zip(xs_leaves, rows))]
+
+    # Units are read one at a time out of the whole stack: a slice of it would be a copy.
+    def units_from(x, start, length):
+      return jax.lax.scan(lambda c, j: unit(c, take(xs, start + j), k), x, jnp.arange(length))
+
+    def body(carry, s):
+      x, accs = carry
+      accs, outs = keep_input(list(accs), where, x, s * size)
+      x, ys = units_from(x, s * size, size)
+      return (x, accs), (ys, outs)
+
+    ys, kept = None, None
+    if full:
+      (x, accs), (ys, kept) = jax.lax.scan(body, (x, accs), jnp.arange(full))
+      ys = jax.tree_util.tree_map(lambda a: a.reshape((full * size,) + a.shape[2:]), ys)
+    kept_rest = None
+    if rest:
+      accs, kept_rest = keep_input(list(accs), where_rest, x, full * size)
+      x, ys_rest = units_from(x, full * size, rest)
+      ys = ys_rest if ys is None else jax.tree_util.tree_map(
+          lambda a, b: jnp.concatenate([a, b]), ys, ys_rest)
+    return (x, ys), (xs, k, accs, kept, kept_rest)
+
+  def segment_backward(ct_x, accs, ct_k, k, xs, ct_ys, x, start, length):
+    """One segment's backward step: its units rerun into their rows, then their VJPs in reverse."""
+    plan = meta['plan']
+
+    def rerun(carry, j):
+      x, accs = carry
+      u = start + j
+      (x, _), _, _, mine = residuals(x, take(xs, u), k)
+      accs, others = list(accs), {}
+      for (kind, at), value in zip([w for w in plan.where if w[0] in ('a', 'o')], mine):
+        if kind == 'o':
+          others[at[0]] = value.reshape(-1)
+          continue
+        flat, done = _to_bits(value, accs[at[0][0][0]].dtype).reshape(1, -1), 0
+        for leaf, offset, size_ in at[0]:
+          accs[leaf] = jax.lax.dynamic_update_slice(accs[leaf], flat[:, done:done + size_],
+                                                    (u, offset))
+          done += size_
+        if at[3] is not None:
+          others[at[3]] = flat[0, done:]
+      return (x, accs), [others[n] for n in sorted(others)]
+
+    def back(carry, inp):
+      ct_x, accs, ct_k = carry
+      j, own = inp
+      u = start + j
+      v_leaves, k_leaves = jax.tree_util.tree_leaves(take(xs, u)), jax.tree_util.tree_leaves(k)
+      leaves = []
+      for kind, at in plan.where:
+        if kind == 's':
+          leaves.append(v_leaves[at])
+        elif kind == 'k':
+          leaves.append(k_leaves[at])
+        elif kind == 'o':
+          leaves.append(own[at[0]].reshape(at[1]))
+        else:
+          leaves.append(_load(accs, at, u, None if at[3] is None else own[at[3]]))
+      pull = jax.tree_util.tree_unflatten(plan.tree, leaves)
+      ct_x, ct_v, ct_kk = pull((ct_x, take(ct_ys, u)))
+      accs = list(accs)
+      for i, g in enumerate(jax.tree_util.tree_leaves(ct_v)):
+        if accs[i] is not None:
+          accs[i] = jax.lax.dynamic_update_slice(
+              accs[i], g.reshape(1, -1).astype(accs[i].dtype), (u, 0))
+      ct_k = [None if a is None else a + g for a, g in zip(ct_k, jax.tree_util.tree_leaves(ct_kk))]
+      return (ct_x, accs, ct_k), None
+
+    (_, accs), others = jax.lax.scan(rerun, (x, accs), jnp.arange(length))
+    (ct_x, accs, ct_k), _ = jax.lax.scan(back, (ct_x, accs, ct_k), (jnp.arange(length), others),
+                                         reverse=True)
+    return ct_x, accs, ct_k
+    (x, accs), others = jax.lax.scan(rerun, (x, accs), jnp.arange(length - 1))
+    (_, accs), own = rerun((x, accs), length - 1)
+    (ct_x, accs, ct_k), _ = back((ct_x, accs, ct_k), (length - 1, own))
+    (ct_x, accs, ct_k), _ = jax.lax.scan(back, (ct_x, accs, ct_k),
+                                         (jnp.arange(length - 1), others), reverse=True)
+    return ct_x, accs, ct_k
+
+  def backward(res, cts):
+    xs, k, accs, kept, kept_rest = res
+    grads = meta['grads']
+    ct_x, ct_ys = materialise(cts)
+    accs = [a if a is not None else (jnp.zeros((units, r), jnp.result_type(l)) if g else None)
+            for a, r, l, g in zip(accs, rows, xs_leaves, grads)]
+    ct_k = [jnp.zeros_like(a) if inexact(a) else None for a in jax.tree_util.tree_leaves(k)]
+    if rest:   # the last segment ran last
+      x = read_input(accs, meta['rest'][0], kept_rest, full * size)
+      ct_x, accs, ct_k = segment_backward(ct_x, list(accs), ct_k, k, xs, ct_ys, x, full * size,
+                                          rest)
+    if full:
+      where = meta['main'][0]
+
+      def body(carry, inp):
+        ct_x, accs, ct_k = carry
+        s, outs = inp
+        x = read_input(accs, where, outs, s * size)
+        ct_x, accs, ct_k = segment_backward(ct_x, list(accs), ct_k, k, xs, ct_ys, x, s * size,
+                                            size)
+        return (ct_x, accs, ct_k), None
+
+      (ct_x, accs, ct_k), _ = jax.lax.scan(body, (ct_x, accs, ct_k), (jnp.arange(full), kept),
+                                           reverse=True)
+    ct_xs = [a.reshape(np.shape(l)) if a is not None else zero_cotangent(l)
+             for a, l in zip(accs, xs_leaves)]
+    ct_consts = [g if g is not None else zero_cotangent(a)
+                 for g, a in zip(ct_k, jax.tree_util.tree_leaves(k))]
+    return ct_x, jax.tree_util.tree_unflatten(xs_def, ct_xs), ct_consts
+
+  fn = jax.custom_vjp(plain)
+  fn.defvjp(forward, backward, symbolic_zeros=True)
+  return fn(x, xs, consts)
