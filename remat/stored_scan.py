@@ -100,12 +100,7 @@ def run(step: Callable, x, xs):
     return converted(x, v, *k)
 
   def residuals(x, v, k):
-    out, pull = jax.vjp(unit, x, v, k)
-    leaves, tree = jax.tree_util.tree_flatten(pull)
-    known = ([(('s', n), a) for n, a in enumerate(jax.tree_util.tree_leaves(v))]
-             + [(('k', n), a) for n, a in enumerate(jax.tree_util.tree_leaves(k))])
-    where, mine = residual_origins(leaves, known)
-    return out, tree, where, mine
+    return unit_residuals(unit, x, v, k)
 
   meta = {}   # the forward pass's plan, for the backward pass
 
@@ -131,19 +126,8 @@ def run(step: Callable, x, xs):
       # the body's residuals must line up with the plan traced outside the loop
       assert [w if w[0] in 'sk' else 'r' for w in where] == [
           w if w[0] in 'sk' else 'r' for w in plan.where], where
-      accs, others = list(accs), {}
-      for (kind, at), value in zip([w for w in plan.where if w[0] in ('a', 'o')], mine):
-        if kind == 'o':
-          others[at[0]] = value.reshape(-1)
-          continue
-        flat, done = _to_bits(value, accs[at[0][0][0]].dtype).reshape(1, -1), 0
-        for leaf, offset, size in at[0]:
-          accs[leaf] = jax.lax.dynamic_update_slice(
-              accs[leaf], flat[:, done:done + size], (u, offset))
-          done += size
-        if at[3] is not None:
-          others[at[3]] = flat[0, done:]
-      return (x, accs, k), (ys, [others[n] for n in sorted(others)])
+      accs, others = store(accs, plan, mine, u)
+      return (x, accs, k), (ys, others)
 
     (x, accs, _), (ys, others) = jax.lax.scan(body, (x, accs, k), (jnp.arange(units), xs))
     return (x, ys), (xs, k, accs, others)
@@ -159,24 +143,8 @@ def run(step: Callable, x, xs):
     def body(carry, inp):
       ct_x, accs, ct_k, k = carry
       u, v, ct_y, own = inp
-      v_leaves, k_leaves = jax.tree_util.tree_leaves(v), jax.tree_util.tree_leaves(k)
-      leaves = []
-      for kind, at in plan.where:
-        if kind == 's':
-          leaves.append(v_leaves[at])
-        elif kind == 'k':
-          leaves.append(k_leaves[at])
-        elif kind == 'o':
-          leaves.append(own[at[0]].reshape(at[1]))
-        else:
-          leaves.append(_load(accs, at, u, None if at[3] is None else own[at[3]]))
-      pull = jax.tree_util.tree_unflatten(plan.tree, leaves)
-      ct_x, ct_v, ct_kk = pull((ct_x, ct_y))
-      accs = list(accs)
-      for i, g in enumerate(jax.tree_util.tree_leaves(ct_v)):
-        if accs[i] is not None:
-          accs[i] = jax.lax.dynamic_update_slice(
-              accs[i], g.reshape(1, -1).astype(accs[i].dtype), (u, 0))
+      ct_x, ct_v, ct_kk = pull(plan, accs, u, v, k, own)((ct_x, ct_y))
+      accs = write(accs, ct_v, u)
       ct_k = [None if a is None else a + g for a, g in zip(ct_k, jax.tree_util.tree_leaves(ct_kk))]
       return (ct_x, accs, ct_k, k), None
 
@@ -243,6 +211,69 @@ def _plan(trace: Callable, xs_leaves: list, rows: list) -> _Plan:
       rest, others = others, others + 1
     where.append(('a', (tuple(pieces), tuple(value.shape), value.dtype, rest)))
   return _Plan(box['tree'], tuple(where), frozenset(used))
+
+
+def unit_residuals(unit: Callable, x, v, k):
+  """``(output, its VJP's tree, where each residual leaf comes from, the unit's own residuals)``.
+
+  ``unit(x, v, k)``; origins as in :class:`_Plan`, ``('r', n)`` for the
+  unit's own residual n.
+  """
+  out, vjp = jax.vjp(unit, x, v, k)
+  leaves, tree = jax.tree_util.tree_flatten(vjp)
+  known = ([(('s', n), a) for n, a in enumerate(jax.tree_util.tree_leaves(v))]
+           + [(('k', n), a) for n, a in enumerate(jax.tree_util.tree_leaves(k))])
+  where, mine = residual_origins(leaves, known)
+  return out, tree, where, mine
+
+
+def store(accs: list, plan: _Plan, mine: list, u) -> tuple[list, list]:
+  """Writes unit ``u``'s saved values ``mine`` where ``plan`` places them.
+
+  Returns:
+    ``(accs, others)``: the accumulators, and the unit's loop outputs (the
+    values, or remainders, that do not fit in its rows), flat, in order.
+  """
+  accs, others = list(accs), {}
+  for (kind, at), value in zip([w for w in plan.where if w[0] in ('a', 'o')], mine):
+    if kind == 'o':
+      others[at[0]] = value.reshape(-1)
+      continue
+    flat, done = _to_bits(value, accs[at[0][0][0]].dtype).reshape(1, -1), 0
+    for leaf, offset, size in at[0]:
+      accs[leaf] = jax.lax.dynamic_update_slice(
+          accs[leaf], flat[:, done:done + size], (u, offset))
+      done += size
+    if at[3] is not None:
+      others[at[3]] = flat[0, done:]
+  return accs, [others[n] for n in sorted(others)]
+
+
+def pull(plan: _Plan, accs: list, u, v, k, own: list) -> Callable:
+  """Unit ``u``'s VJP, its saved values read back from its rows, ``v`` (its inputs), ``k`` and
+  ``own`` (its loop outputs from :func:`store`); call it before the unit's gradient is written."""
+  v_leaves, k_leaves = jax.tree_util.tree_leaves(v), jax.tree_util.tree_leaves(k)
+  leaves = []
+  for kind, at in plan.where:
+    if kind == 's':
+      leaves.append(v_leaves[at])
+    elif kind == 'k':
+      leaves.append(k_leaves[at])
+    elif kind == 'o':
+      leaves.append(own[at[0]].reshape(at[1]))
+    else:
+      leaves.append(_load(accs, at, u, None if at[3] is None else own[at[3]]))
+  return jax.tree_util.tree_unflatten(plan.tree, leaves)
+
+
+def write(accs: list, ct_v, u) -> list:
+  """Writes unit ``u``'s gradient ``ct_v`` over its rows of the accumulators it has."""
+  accs = list(accs)
+  for i, g in enumerate(jax.tree_util.tree_leaves(ct_v)):
+    if accs[i] is not None:
+      accs[i] = jax.lax.dynamic_update_slice(accs[i], g.reshape(1, -1).astype(accs[i].dtype),
+                                             (u, 0))
+  return accs
 
 
 def _load(accs: list, at: tuple, u, rest=None):

@@ -35,9 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from remat import stored_scan
-from remat.stored_scan import _from_bits, _load, _plan, _to_bits
-from remat.unrolled_parts import (hoist, inexact, materialise, primal_values, residual_origins,
-                                  zero_cotangent)
+from remat.stored_scan import _from_bits, _plan, _to_bits
+from remat.unrolled_parts import hoist, inexact, materialise, primal_values, zero_cotangent
 
 
 def applies(x, xs) -> bool:
@@ -79,16 +78,6 @@ def _read(accs: list, pieces: tuple, shape, dtype, start, rest=None):
   return _from_bits(flat, dtype, shape)
 
 
-def _residuals(unit: Callable, x, v, k):
-  """``(output, pull's tree, origin of each residual leaf, the unit's own residuals)`` of one unit."""
-  out, pull = jax.vjp(unit, x, v, k)
-  leaves, tree = jax.tree_util.tree_flatten(pull)
-  known = ([(('s', n), a) for n, a in enumerate(jax.tree_util.tree_leaves(v))]
-           + [(('k', n), a) for n, a in enumerate(jax.tree_util.tree_leaves(k))])
-  where, mine = residual_origins(leaves, known)
-  return out, tree, where, mine
-
-
 def pays_off(step: Callable, x, xs, size: int) -> bool:
   """Whether :func:`run` should plan less than segments in ``jax.checkpoint``, by the bytes each adds.
 
@@ -107,8 +96,8 @@ def pays_off(step: Callable, x, xs, size: int) -> bool:
   converted, consts, _ = hoist(step, x, first)
   unit = lambda x, v, k: converted(x, v, *k)
   rows = [int(np.prod(np.shape(a)[1:], dtype=np.int64)) if inexact(a) else 0 for a in xs_leaves]
-  plan = _plan(lambda: _residuals(unit, x, first, consts), xs_leaves, rows)
-  mine = jax.eval_shape(lambda: _residuals(unit, x, first, consts)[3])
+  plan = _plan(lambda: stored_scan.unit_residuals(unit, x, first, consts), xs_leaves, rows)
+  mine = jax.eval_shape(lambda: stored_scan.unit_residuals(unit, x, first, consts)[3])
   saved = sum(a.size * a.dtype.itemsize for a in mine)
   in_rows = sum(n * np.dtype(xs_leaves[leaf].dtype).itemsize
                 for kind, at in plan.where if kind == 'a' for leaf, _, n in at[0])
@@ -142,7 +131,7 @@ def run(step: Callable, x, xs, size: int):
   def unit(x, v, k):
     return converted(x, v, *k)
 
-  residuals = functools.partial(_residuals, unit)
+  residuals = functools.partial(stored_scan.unit_residuals, unit)
 
   def take(tree, u):
     return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, u, keepdims=False),
@@ -220,42 +209,16 @@ def run(step: Callable, x, xs, size: int):
       x, accs = carry
       u = start + j
       (x, _), _, _, mine = residuals(x, take(xs, u), k)
-      accs, others = list(accs), {}
-      for (kind, at), value in zip([w for w in plan.where if w[0] in ('a', 'o')], mine):
-        if kind == 'o':
-          others[at[0]] = value.reshape(-1)
-          continue
-        flat, done = _to_bits(value, accs[at[0][0][0]].dtype).reshape(1, -1), 0
-        for leaf, offset, size_ in at[0]:
-          accs[leaf] = jax.lax.dynamic_update_slice(accs[leaf], flat[:, done:done + size_],
-                                                    (u, offset))
-          done += size_
-        if at[3] is not None:
-          others[at[3]] = flat[0, done:]
-      return (x, accs), [others[n] for n in sorted(others)]
+      accs, others = stored_scan.store(accs, plan, mine, u)
+      return (x, accs), others
 
     def back(carry, inp):
       ct_x, accs, ct_k = carry
       j, own = inp
       u = start + j
-      v_leaves, k_leaves = jax.tree_util.tree_leaves(take(xs, u)), jax.tree_util.tree_leaves(k)
-      leaves = []
-      for kind, at in plan.where:
-        if kind == 's':
-          leaves.append(v_leaves[at])
-        elif kind == 'k':
-          leaves.append(k_leaves[at])
-        elif kind == 'o':
-          leaves.append(own[at[0]].reshape(at[1]))
-        else:
-          leaves.append(_load(accs, at, u, None if at[3] is None else own[at[3]]))
-      pull = jax.tree_util.tree_unflatten(plan.tree, leaves)
-      ct_x, ct_v, ct_kk = pull((ct_x, take(ct_ys, u)))
-      accs = list(accs)
-      for i, g in enumerate(jax.tree_util.tree_leaves(ct_v)):
-        if accs[i] is not None:
-          accs[i] = jax.lax.dynamic_update_slice(
-              accs[i], g.reshape(1, -1).astype(accs[i].dtype), (u, 0))
+      ct_x, ct_v, ct_kk = stored_scan.pull(plan, accs, u, take(xs, u), k, own)(
+          (ct_x, take(ct_ys, u)))
+      accs = stored_scan.write(accs, ct_v, u)
       ct_k = [None if a is None else a + g for a, g in zip(ct_k, jax.tree_util.tree_leaves(ct_kk))]
       return (ct_x, accs, ct_k), None
 
