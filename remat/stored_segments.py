@@ -208,7 +208,10 @@ def run(step: Callable, x, xs, size: int):
     def rerun(carry, j):
       x, accs = carry
       u = start + j
-      (x, _), _, _, mine = residuals(x, take(xs, u), k)
+      (x, _), _, where, mine = residuals(x, take(xs, u), k)
+      # the rerun's residuals must line up with the plan traced in the forward pass
+      assert [w if w[0] in 'sk' else 'r' for w in where] == [
+          w if w[0] in 'sk' else 'r' for w in plan.where], where
       accs, others = stored_scan.store(accs, plan, mine, u)
       return (x, accs), others
 
