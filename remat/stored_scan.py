@@ -32,6 +32,7 @@ stacks call it only where that is what runs (:func:`applies`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -59,6 +60,7 @@ class _Plan:
   tree: object
   where: tuple
   used: frozenset
+  saved: int   # bytes of the unit's own saved values
 
 
 def applies(x, xs) -> bool:
@@ -94,13 +96,12 @@ def run(step: Callable, x, xs):
   units = int(np.shape(xs_leaves[0])[0])
   first = jax.tree_util.tree_unflatten(xs_def, [a[0] for a in xs_leaves])
   converted, consts, _ = hoist(step, x, first)
-  rows = [int(np.prod(np.shape(a)[1:], dtype=np.int64)) if inexact(a) else 0 for a in xs_leaves]
+  rows = row_sizes(xs_leaves)
 
   def unit(x, v, k):
     return converted(x, v, *k)
 
-  def residuals(x, v, k):
-    return unit_residuals(unit, x, v, k)
+  residuals = functools.partial(unit_residuals, unit)
 
   meta = {}   # the forward pass's plan, for the backward pass
 
@@ -110,9 +111,7 @@ def run(step: Callable, x, xs):
   def forward(x, xs, k):
     # Only a differentiated leaf has gradient rows: a frozen one (a LoRA base weight) gets no
     # gradient, and rows holding saved values would make XLA compute it.
-    (x, xs, k), flags = primal_values((x, xs, k))
-    flags = flags[len(jax.tree_util.tree_leaves(x)):][:len(rows)]
-    grads = [f and r > 0 for f, r in zip(flags, rows)]
+    (x, xs, k), grads = differentiated(x, xs, k, rows)
     plan = meta['plan'] = _plan(lambda: residuals(x, first, k), xs_leaves,
                                 [r if g else 0 for r, g in zip(rows, grads)])
     meta['grads'] = grads
@@ -123,9 +122,7 @@ def run(step: Callable, x, xs):
       x, accs, k = carry
       u, v = inp
       (x, ys), _, where, mine = residuals(x, v, k)
-      # the body's residuals must line up with the plan traced outside the loop
-      assert [w if w[0] in 'sk' else 'r' for w in where] == [
-          w if w[0] in 'sk' else 'r' for w in plan.where], where
+      lined_up(where, plan)   # with the plan traced outside the loop
       accs, others = store(accs, plan, mine, u)
       return (x, accs, k), (ys, others)
 
@@ -136,25 +133,17 @@ def run(step: Callable, x, xs):
     xs, k, accs, others = res
     plan, grads = meta['plan'], meta['grads']
     ct_x, ct_ys = materialise(cts)
-    accs = [a if a is not None else (jnp.zeros((units, r), jnp.result_type(l)) if g else None)
-            for a, r, l, g in zip(accs, rows, xs_leaves, grads)]
-    ct_k = [jnp.zeros_like(a) if inexact(a) else None for a in jax.tree_util.tree_leaves(k)]
+    accs, ct_k = backward_start(accs, rows, xs_leaves, grads, k)
 
     def body(carry, inp):
       ct_x, accs, ct_k, k = carry
       u, v, ct_y, own = inp
-      ct_x, ct_v, ct_kk = pull(plan, accs, u, v, k, own)((ct_x, ct_y))
-      accs = write(accs, ct_v, u)
-      ct_k = [None if a is None else a + g for a, g in zip(ct_k, jax.tree_util.tree_leaves(ct_kk))]
+      ct_x, accs, ct_k = unit_backward(plan, ct_x, accs, ct_k, u, v, k, own, ct_y)
       return (ct_x, accs, ct_k, k), None
 
     (ct_x, accs, ct_k, _), _ = jax.lax.scan(
         body, (ct_x, accs, ct_k, k), (jnp.arange(units), xs, ct_ys, others), reverse=True)
-    ct_xs = [a.reshape(np.shape(l)) if a is not None else zero_cotangent(l)
-             for a, l in zip(accs, xs_leaves)]
-    ct_consts = [g if g is not None else zero_cotangent(a)
-                 for g, a in zip(ct_k, jax.tree_util.tree_leaves(k))]
-    return ct_x, jax.tree_util.tree_unflatten(xs_def, ct_xs), ct_consts
+    return (ct_x, *backward_end(accs, ct_k, xs_leaves, xs_def, k))
 
   fn = jax.custom_vjp(plain)
   fn.defvjp(forward, backward, symbolic_zeros=True)
@@ -210,7 +199,54 @@ def _plan(trace: Callable, xs_leaves: list, rows: list) -> _Plan:
     if done < size:
       rest, others = others, others + 1
     where.append(('a', (tuple(pieces), tuple(value.shape), value.dtype, rest)))
-  return _Plan(box['tree'], tuple(where), frozenset(used))
+  return _Plan(box['tree'], tuple(where), frozenset(used),
+               sum(a.size * a.dtype.itemsize for a in mine))
+
+
+def row_sizes(xs_leaves: list) -> list:
+  """Elements in one unit's row of each stacked leaf's gradient (0 for a leaf without one)."""
+  return [int(np.prod(np.shape(a)[1:], dtype=np.int64)) if inexact(a) else 0 for a in xs_leaves]
+
+
+def differentiated(x, xs, k, rows: list):
+  """A ``custom_vjp`` forward's ``(x, xs, k)`` values, and which ``xs`` leaves have gradient rows.
+
+  Only a differentiated leaf has rows: a frozen one (a LoRA base weight) gets no
+  gradient, and rows holding saved values would make XLA compute it.
+  """
+  (x, xs, k), flags = primal_values((x, xs, k))
+  flags = flags[len(jax.tree_util.tree_leaves(x)):][:len(rows)]
+  return (x, xs, k), [f and r > 0 for f, r in zip(flags, rows)]
+
+
+def lined_up(where: tuple, plan: _Plan) -> None:
+  """Asserts that a unit's residuals, traced again inside a loop, are the ones ``plan`` placed."""
+  assert [w if w[0] in 'sk' else 'r' for w in where] == [
+      w if w[0] in 'sk' else 'r' for w in plan.where], where
+
+
+def backward_start(accs: list, rows: list, xs_leaves: list, grads: list, k):
+  """The backward loop's accumulators (zeros for rows no saved value used) and zero ``k`` gradients."""
+  units = int(np.shape(xs_leaves[0])[0])
+  accs = [a if a is not None else (jnp.zeros((units, r), jnp.result_type(l)) if g else None)
+          for a, r, l, g in zip(accs, rows, xs_leaves, grads)]
+  return accs, [jnp.zeros_like(a) if inexact(a) else None for a in jax.tree_util.tree_leaves(k)]
+
+
+def unit_backward(plan: _Plan, ct_x, accs: list, ct_k: list, u, v, k, own: list, ct_y):
+  """Unit ``u``'s backward step: its VJP (:func:`pull`), its gradient over its rows, ``k``'s summed."""
+  ct_x, ct_v, ct_kk = pull(plan, accs, u, v, k, own)((ct_x, ct_y))
+  ct_k = [None if a is None else a + g for a, g in zip(ct_k, jax.tree_util.tree_leaves(ct_kk))]
+  return ct_x, write(accs, ct_v, u), ct_k
+
+
+def backward_end(accs: list, ct_k: list, xs_leaves: list, xs_def, k):
+  """``(gradient of xs, gradients of k)`` from the written accumulators."""
+  ct_xs = [a.reshape(np.shape(l)) if a is not None else zero_cotangent(l)
+           for a, l in zip(accs, xs_leaves)]
+  ct_consts = [g if g is not None else zero_cotangent(a)
+               for g, a in zip(ct_k, jax.tree_util.tree_leaves(k))]
+  return jax.tree_util.tree_unflatten(xs_def, ct_xs), ct_consts
 
 
 def unit_residuals(unit: Callable, x, v, k):

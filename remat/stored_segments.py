@@ -36,7 +36,7 @@ import numpy as np
 
 from remat import stored_scan
 from remat.stored_scan import _from_bits, _plan, _to_bits
-from remat.unrolled_parts import hoist, inexact, materialise, primal_values, zero_cotangent
+from remat.unrolled_parts import hoist, materialise
 
 
 def applies(x, xs) -> bool:
@@ -95,14 +95,12 @@ def pays_off(step: Callable, x, xs, size: int) -> bool:
   first = jax.tree_util.tree_unflatten(xs_def, [a[0] for a in xs_leaves])
   converted, consts, _ = hoist(step, x, first)
   unit = lambda x, v, k: converted(x, v, *k)
-  rows = [int(np.prod(np.shape(a)[1:], dtype=np.int64)) if inexact(a) else 0 for a in xs_leaves]
+  rows = stored_scan.row_sizes(xs_leaves)
   plan = _plan(lambda: stored_scan.unit_residuals(unit, x, first, consts), xs_leaves, rows)
-  mine = jax.eval_shape(lambda: stored_scan.unit_residuals(unit, x, first, consts)[3])
-  saved = sum(a.size * a.dtype.itemsize for a in mine)
   in_rows = sum(n * np.dtype(xs_leaves[leaf].dtype).itemsize
                 for kind, at in plan.where if kind == 'a' for leaf, _, n in at[0])
   row_bytes = sum(r * np.dtype(a.dtype).itemsize for r, a in zip(rows, xs_leaves))
-  return saved - in_rows <= 2 * size * row_bytes
+  return plan.saved - in_rows <= 2 * size * row_bytes
 
 
 def run(step: Callable, x, xs, size: int):
@@ -123,7 +121,7 @@ def run(step: Callable, x, xs, size: int):
   full, rest = divmod(units, size)
   first = jax.tree_util.tree_unflatten(xs_def, [a[0] for a in xs_leaves])
   converted, consts, _ = hoist(step, x, first)
-  rows = [int(np.prod(np.shape(a)[1:], dtype=np.int64)) if inexact(a) else 0 for a in xs_leaves]
+  rows = stored_scan.row_sizes(xs_leaves)
   row = dict(enumerate(rows))
   x_def = jax.tree_util.tree_structure(x)
   x_shapes = [(np.shape(a), jnp.result_type(a)) for a in jax.tree_util.tree_leaves(x)]
@@ -168,10 +166,8 @@ def run(step: Callable, x, xs, size: int):
     return jax.tree_util.tree_unflatten(x_def, leaves)
 
   def forward(x, xs, k):
-    # Only a differentiated leaf has gradient rows (stored_scan.run says why).
-    (x, xs, k), flags = primal_values((x, xs, k))
-    flags = flags[len(jax.tree_util.tree_leaves(x)):][:len(rows)]
-    grads = meta['grads'] = [f and r > 0 for f, r in zip(flags, rows)]
+    (x, xs, k), grads = stored_scan.differentiated(x, xs, k, rows)
+    meta['grads'] = grads
     meta['plan'] = _plan(lambda: residuals(x, first, k), xs_leaves,
                          [r if g else 0 for r, g in zip(rows, grads)])
     where, used = meta['main'] = inputs_plan(size, grads) if full else ([], frozenset())
@@ -209,9 +205,7 @@ def run(step: Callable, x, xs, size: int):
       x, accs = carry
       u = start + j
       (x, _), _, where, mine = residuals(x, take(xs, u), k)
-      # the rerun's residuals must line up with the plan traced in the forward pass
-      assert [w if w[0] in 'sk' else 'r' for w in where] == [
-          w if w[0] in 'sk' else 'r' for w in plan.where], where
+      stored_scan.lined_up(where, plan)   # with the plan traced in the forward pass
       accs, others = stored_scan.store(accs, plan, mine, u)
       return (x, accs), others
 
@@ -219,30 +213,19 @@ def run(step: Callable, x, xs, size: int):
       ct_x, accs, ct_k = carry
       j, own = inp
       u = start + j
-      ct_x, ct_v, ct_kk = stored_scan.pull(plan, accs, u, take(xs, u), k, own)(
-          (ct_x, take(ct_ys, u)))
-      accs = stored_scan.write(accs, ct_v, u)
-      ct_k = [None if a is None else a + g for a, g in zip(ct_k, jax.tree_util.tree_leaves(ct_kk))]
-      return (ct_x, accs, ct_k), None
+      return stored_scan.unit_backward(plan, ct_x, accs, ct_k, u, take(xs, u), k, own,
+                                       take(ct_ys, u)), None
 
     (_, accs), others = jax.lax.scan(rerun, (x, accs), jnp.arange(length))
     (ct_x, accs, ct_k), _ = jax.lax.scan(back, (ct_x, accs, ct_k), (jnp.arange(length), others),
                                          reverse=True)
-    return ct_x, accs, ct_k
-    (x, accs), others = jax.lax.scan(rerun, (x, accs), jnp.arange(length - 1))
-    (_, accs), own = rerun((x, accs), length - 1)
-    (ct_x, accs, ct_k), _ = back((ct_x, accs, ct_k), (length - 1, own))
-    (ct_x, accs, ct_k), _ = jax.lax.scan(back, (ct_x, accs, ct_k),
-                                         (jnp.arange(length - 1), others), reverse=True)
     return ct_x, accs, ct_k
 
   def backward(res, cts):
     xs, k, accs, kept, kept_rest = res
     grads = meta['grads']
     ct_x, ct_ys = materialise(cts)
-    accs = [a if a is not None else (jnp.zeros((units, r), jnp.result_type(l)) if g else None)
-            for a, r, l, g in zip(accs, rows, xs_leaves, grads)]
-    ct_k = [jnp.zeros_like(a) if inexact(a) else None for a in jax.tree_util.tree_leaves(k)]
+    accs, ct_k = stored_scan.backward_start(accs, rows, xs_leaves, grads, k)
     if rest:   # the last segment ran last
       x = read_input(accs, meta['rest'][0], kept_rest, full * size)
       ct_x, accs, ct_k = segment_backward(ct_x, list(accs), ct_k, k, xs, ct_ys, x, full * size,
@@ -260,11 +243,7 @@ def run(step: Callable, x, xs, size: int):
 
       (ct_x, accs, ct_k), _ = jax.lax.scan(body, (ct_x, accs, ct_k), (jnp.arange(full), kept),
                                            reverse=True)
-    ct_xs = [a.reshape(np.shape(l)) if a is not None else zero_cotangent(l)
-             for a, l in zip(accs, xs_leaves)]
-    ct_consts = [g if g is not None else zero_cotangent(a)
-                 for g, a in zip(ct_k, jax.tree_util.tree_leaves(k))]
-    return ct_x, jax.tree_util.tree_unflatten(xs_def, ct_xs), ct_consts
+    return (ct_x, *stored_scan.backward_end(accs, ct_k, xs_leaves, xs_def, k))
 
   fn = jax.custom_vjp(plain)
   fn.defvjp(forward, backward, symbolic_zeros=True)
