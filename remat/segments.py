@@ -134,8 +134,10 @@ def run_units(unit: Unit, x, xs, num_units: int, policy: Policy):
       return stored_scan.run(unit(rule, False), x, xs)
     return jax.lax.scan(unit(rule, False), x, xs)
   full, rest = divmod(num_units, size)
-  if stored_segments.applies(x, xs) and stored_segments.pays_off(unit(rule, False), x, xs, size):
-    return stored_segments.run(unit(rule, False), x, xs, size)
+  if stored_segments.applies(x, xs):   # GPU: each segment rebuilt into its gradient rows
+    step = unit(rule, False)
+    if stored_segments.pays_off(step, x, xs, size):
+      return stored_segments.run(step, x, xs, size)
   main, tail = _split_stacked(xs, num_units, size)
 
   def segment(length: int, prevent_cse: bool) -> Callable:
