@@ -43,6 +43,7 @@ import optax
 
 from remat.layout import lean_saveable
 from remat.policies import Policy, PolicyError, get_policy
+from remat.unrolled_parts import zero_after
 
 _IN_BACKWARD = contextvars.ContextVar('remat_fused_backward', default=False)
 
@@ -51,7 +52,7 @@ def read_after(x, value):
   """``x``, read only once ``value`` exists, inside :func:`fused_update`'s backward pass.
 
   For derivative rules: ``q = read_after(q, dO)`` in a custom VJP's backward makes
-  every use of ``q`` wait for ``dO`` (``x + 0 * value[0]``, one add XLA fuses into
+  every use of ``q`` wait for ``dO`` (``x`` plus a zero made from ``value[0]``, NaN-safe; one add XLA fuses into
   the reader). XLA's CPU schedule otherwise prepares a layer's backward pass from
   its residuals as soon as they are read, holding those copies through the rest
   of the layer's backward pass. Elsewhere (an ordinary step) it returns ``x``
@@ -65,9 +66,14 @@ def read_after(x, value):
 
 
 def _zero_after(*trees):
-  """A float32 zero computed from every leaf of ``trees``, so it exists only after all of them."""
+  """A float32 zero computed from every leaf of ``trees``, so it exists only after all of them.
+
+  Built from :func:`remat.unrolled_parts.zero_after` (a clamp of one element's bits),
+  it is 0 for NaN and inf too: ``0 * value[0]`` made every tied value NaN when the
+  first element of ``value`` was not finite.
+  """
   leaves = jax.tree_util.tree_leaves(trees)
-  return sum(a.ravel()[:1].sum().astype(jnp.float32) for a in leaves) * 0.0
+  return sum(zero_after(a) for a in leaves).astype(jnp.float32)
 
 
 @contextlib.contextmanager
@@ -218,8 +224,9 @@ def _after(vjp_fn, value, params):
 
   XLA may prepare a backward pass as soon as its residuals exist: ViT-B/16's patch embedding
   had a transposed copy of the images made in the forward pass and held through the whole
-  stack's backward (4.59 MiB). ``+ 0 * value[0]`` makes each such residual depend on ``value``
-  (the stack's input gradient) at the cost of one add XLA fuses into its reader.
+  stack's backward (4.59 MiB). Adding a zero made from ``value`` (the stack's input gradient;
+  :func:`_zero_after`) makes each such residual depend on it, at the cost of one add XLA fuses
+  into its reader.
   """
   own = {id(p) for p in jax.tree_util.tree_leaves(params)}
   zero = _zero_after(value)

@@ -172,7 +172,9 @@ def test_read_after_ties_only_inside_the_fused_backward():
   assert remat.read_after(x, g) is x          # an ordinary step is left as it was
   with _in_backward():
     jaxpr = jax.make_jaxpr(lambda a, b: remat.read_after(a, b))(x, g)
-    tied = remat.read_after(x, jnp.full((2,), 3.0))
-  # inside, x depends on g (one add of g[0] * 0), and its value is unchanged for finite g
+    tied = [jax.jit(remat.read_after)(x, jnp.full((2,), v)) for v in (3.0, jnp.nan, jnp.inf)]
+  # inside, x depends on g (one add of a zero made from g[0]), and its value is unchanged for
+  # every g, NaN and inf included (0 * g[0] was NaN there)
   assert any(e.primitive.name == 'add' for e in jaxpr.eqns)
-  np.testing.assert_array_equal(tied, x)
+  for t in tied:
+    np.testing.assert_array_equal(t, x)
