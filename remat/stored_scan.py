@@ -36,6 +36,7 @@ import functools
 from typing import Callable
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -44,6 +45,11 @@ from remat.kept_in_gradients import _storable
 from remat.layout import target_platform
 from remat.unrolled_parts import (batched, hoist, inexact, materialise, primal_values,
                                   residual_origins, zero_cotangent)
+
+try:   # JAX's own pass; without it (a JAX that moved it) the output is left to XLA to drop
+  from jax._src.interpreters.partial_eval import dce_jaxpr as _dce_jaxpr
+except ImportError:   # pragma: no cover
+  _dce_jaxpr = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,6 +267,26 @@ def unit_residuals(unit: Callable, x, v, k):
            + [(('k', n), a) for n, a in enumerate(jax.tree_util.tree_leaves(k))])
   where, mine = residual_origins(leaves, known)
   return out, tree, where, mine
+
+
+def unit_saved(unit: Callable, x, v, k) -> tuple[list, list]:
+  """:func:`unit_residuals`' origins and own residuals, without the unit's output.
+
+  The residuals are traced alone and cut to what they need (JAX's dead-code
+  elimination of the jaxpr), so a matmul that only the output reads is neither
+  traced nor counted (:mod:`remat.flops` walks the jaxpr JAX hands to XLA).
+  """
+  box = {}
+
+  def saved(x, v, k):
+    _, _, box['where'], mine = unit_residuals(unit, x, v, k)
+    return mine
+  closed = jax.make_jaxpr(saved)(x, v, k)
+  jaxpr = closed.jaxpr
+  if _dce_jaxpr is not None:
+    jaxpr, _ = _dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
+  run_saved = jax.extend.core.jaxpr_as_fun(jax.extend.core.ClosedJaxpr(jaxpr, closed.consts))
+  return box['where'], list(run_saved(*jax.tree_util.tree_leaves((x, v, k))))
 
 
 def store(accs: list, plan: _Plan, mine: list, u) -> tuple[list, list]:

@@ -17,7 +17,8 @@ accumulators of that segment's units (``[U, row]`` per float parameter leaf).
 The backward pass takes the segments in reverse; for each it reads the input
 back, reruns the segment's units one at a time, writing what the per-layer
 rule saves for each unit into that unit's rows (the segment's input is no
-longer needed there), then runs the units' backward steps in reverse, each
+longer needed there; the last unit's output, which nothing reads, is not
+computed), then runs the units' backward steps in reverse, each
 reading its values out of its rows and writing its gradient over them. What
 does not fit in the rows stays a loop output, as in :mod:`remat.stored_scan`.
 A remainder segment (U % K units) is the last segment, shorter. Each unit's
@@ -36,7 +37,7 @@ import numpy as np
 
 from remat import stored_scan
 from remat.stored_scan import _from_bits, _plan, _to_bits
-from remat.unrolled_parts import hoist, materialise
+from remat.unrolled_parts import hoist, materialise, zero_after
 
 
 def applies(x, xs) -> bool:
@@ -76,6 +77,16 @@ def _read(accs: list, pieces: tuple, shape, dtype, start, rest=None):
     parts.append(rest.reshape(1, -1))
   flat = (parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)).reshape(-1)
   return _from_bits(flat, dtype, shape)
+
+
+def _put(spill: list, others: list, j) -> list:
+  """``spill`` with unit ``j``'s loop outputs ``others`` written into row ``j``."""
+  return [jax.lax.dynamic_update_index_in_dim(b, o, j, 0) for b, o in zip(spill, others)]
+
+
+def _fits(plan) -> bool:
+  """Whether a unit's saved values all wait in its rows (none, or no part of one, in a loop output)."""
+  return all(kind != 'o' and (kind != 'a' or at[3] is None) for kind, at in plan.where)
 
 
 def pays_off(step: Callable, x, xs, size: int) -> bool:
@@ -202,12 +213,12 @@ def run(step: Callable, x, xs, size: int):
     plan = meta['plan']
 
     def rerun(carry, j):
-      x, accs = carry
+      x, accs, spill = carry
       u = start + j
       (x, _), _, where, mine = residuals(x, take(xs, u), k)
       stored_scan.lined_up(where, plan)   # with the plan traced in the forward pass
       accs, others = stored_scan.store(accs, plan, mine, u)
-      return (x, accs), others
+      return (x, accs, _put(spill, others, j)), None
 
     def back(carry, inp):
       ct_x, accs, ct_k = carry
@@ -216,8 +227,32 @@ def run(step: Callable, x, xs, size: int):
       return stored_scan.unit_backward(plan, ct_x, accs, ct_k, u, take(xs, u), k, own,
                                        take(ct_ys, u)), None
 
-    (_, accs), others = jax.lax.scan(rerun, (x, accs), jnp.arange(length))
-    (ct_x, accs, ct_k), _ = jax.lax.scan(back, (ct_x, accs, ct_k), (jnp.arange(length), others),
+    # What does not fit in the rows waits in buffers of all `length` units, written in place;
+    # made from the segment's incoming cotangent, so that XLA allocates them no earlier (as
+    # constant zeros they were allocated with the loss gradient: llama-tiny's stage, H100 plan,
+    # 48.35 MiB of temp against 47.09 as loop outputs).
+    spill = jax.eval_shape(
+        lambda x, accs: stored_scan.store(accs, plan, residuals(x, take(xs, start), k)[3], start)[1],
+        x, accs)
+    zero = zero_after(ct_x)
+    spill = [jnp.full((length,) + a.shape, zero.astype(a.dtype)) for a in spill]
+    # The last unit's output is not needed (the next segment's input is kept): its saved values
+    # alone are computed, after the loop (stored_scan.unit_saved), where they all fit in its rows.
+    # Otherwise the loop rebuilds it whole: in straight-line code XLA held more of a unit's values
+    # beside the loop outputs (Llama-3.2-1B --lora 16, batch 2 x 2048, H100 plan, sqrt: 1.25 ->
+    # 1.32 GiB), and, in a segment of two units, whose loop of one iteration XLA inlines, the two
+    # units in straight-line code planned more (the 16-layer MLP of tests/own_model.py, seg:2:
+    # 2.63 -> 5.63 MiB, the rows copied; 3.44 with the segment input read through an
+    # optimization barrier).
+    head = length if length == 2 or not _fits(plan) else length - 1
+    if head:
+      (x, accs, spill), _ = jax.lax.scan(rerun, (x, accs, spill), jnp.arange(head))
+    if head < length:
+      where, mine = stored_scan.unit_saved(unit, x, take(xs, start + head), k)
+      stored_scan.lined_up(where, plan)
+      accs, others = stored_scan.store(accs, plan, mine, start + head)
+      spill = _put(spill, others, head)
+    (ct_x, accs, ct_k), _ = jax.lax.scan(back, (ct_x, accs, ct_k), (jnp.arange(length), spill),
                                          reverse=True)
     return ct_x, accs, ct_k
 

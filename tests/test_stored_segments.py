@@ -54,9 +54,11 @@ def _both(loss, args, argnums=(0, 2)):
   return stored, plain
 
 
-# sqrt of 8 layers: segments of 2; seg:3: two and a remainder of 2; stage: one segment
+# sqrt of 8 layers: segments of 2 (rebuilt whole); seg:3: two and a remainder of 2; stage: one
+# segment; seg:5 and seg:7: remainders of 3 and 1 (a segment of other than two units, whose
+# values fit its rows, rebuilds its last unit's saved values alone, after the loop)
 @pytest.mark.parametrize('spec', ['sqrt', 'seg:3', 'stage', 'full@sqrt', 'dots@sqrt',
-                                  'names:up@sqrt'])
+                                  'names:up@sqrt', 'seg:5', 'seg:7'])
 def test_gradients_equal_the_checkpointed_segments(spec, runs):
   params, x = _args()
   stored, plain = _both(_loss(spec), (params, x, jnp.float32(0.7)))
@@ -65,13 +67,53 @@ def test_gradients_equal_the_checkpointed_segments(spec, runs):
   assert_trees_close(stored, plain)
 
 
-def test_a_segment_input_larger_than_its_rows_spills(runs):
+@pytest.mark.parametrize('spec', ['full@sqrt', 'seg:4'])
+def test_a_segment_input_larger_than_its_rows_spills(spec, runs, monkeypatch):
   # 512 x 32 = 16384 floats of input against a segment's 2 x 4096 floats of rows: 8192 of them
-  # wait in the rows, the rest as a loop output
+  # wait in the rows, the rest as a loop output. seg:4: each unit's saved values (the input and
+  # the 512 x 64 'up') do not fit its rows either, so the loop rebuilds all four units (pays_off
+  # would keep the checkpointed segments there)
+  monkeypatch.setattr(stored_segments, 'pays_off', lambda *a: True)
   params, x = _args(batch=512)
-  stored, plain = _both(_loss('full@sqrt'), (params, x, jnp.float32(0.7)))
+  stored, plain = _both(_loss(spec), (params, x, jnp.float32(0.7)))
   assert runs
   assert_trees_close(stored, plain)
+
+
+@pytest.mark.parametrize('spec, recomputed', [
+    ('sqrt', 4 * (3 * 2 + 1)),        # 4 segments of 4: three layers rerun, the last's first matmul
+    ('seg:3', 5 * (2 * 2 + 1) + 1),   # 5 segments of 3 and a remainder of 1
+    ('full@sqrt', 4 * (3 * 2 + 4)),   # and each layer's first matmul again in its backward step
+    ('seg:2', 8 * 2 * 2),             # a segment of two is rebuilt whole (remat.stored_segments)
+])
+def test_the_rebuild_skips_what_only_a_segment_output_needs(spec, recomputed, runs):
+  """The user's 16-layer MLP (tests/own_model.py: ``relu(x @ w1 + b1) @ w2``), traced for a GPU:
+  the last layer of a segment is rebuilt for its saved values alone, without its second matmul,
+  which only the segment's output (not needed in the backward pass) reads. Exact counts, in
+  ``[B, D] @ [D, H]``-sized matmuls; no remat runs 16 layers x 2 matmuls x 3 (forward, two in
+  the backward pass)."""
+  from remat.measuring import step_flops
+  from tests.own_model import BATCH, DEPTH, HIDDEN, WIDTH, inputs, mlp, stacked_params
+  loss = lambda p, x: jnp.sum(scan_layers(mlp, p, x, policy=spec) ** 2)
+  with compiling_for('gpu'):
+    count = step_flops(loss, stacked_params(), inputs())
+  assert runs and count.exact
+  assert count.flops == (DEPTH * 2 * 3 + recomputed) * 2 * BATCH * WIDTH * HIDDEN
+
+
+def test_a_unit_whose_values_do_not_fit_its_rows_is_rebuilt_whole(runs, monkeypatch):
+  # seg:4 of 8 layers (2 segments of 4). At a batch of 32 a unit saves its input and 'up' (1024 +
+  # 2048 floats), which fit its 4096 floats of rows: the last unit is rebuilt without its second
+  # matmul. At 512 they do not (16384 + 32768): the loop rebuilds all four units, output included
+  from remat.measuring import step_flops
+  monkeypatch.setattr(stored_segments, 'pays_off', lambda *a: True)
+  for batch, recomputed in ((32, 2 * (3 * 2 + 1)), (512, 2 * 4 * 2)):
+    params, x = _args(batch=batch)
+    with compiling_for('gpu'):
+      count = step_flops(_loss('seg:4'), params, x, jnp.float32(0.7))
+    assert count.exact
+    assert count.flops == (L * 2 * 3 + recomputed) * 2 * batch * D * H, batch
+  assert runs
 
 
 def test_bfloat16_carry_and_input_gradient_only(runs):
@@ -119,10 +161,12 @@ def test_h100_plan_smaller_than_the_checkpointed_segments(spec, monkeypatch):
 @pytest.mark.gpu_plan
 def test_sqrt_plans_less_than_full_where_the_values_fit():
   # The user's 16-layer MLP (tests/own_model.py), H100 plan: each segment's rebuild waits in its
-  # rows, so sqrt holds no more than the gradient and one layer (2.63 MiB; 6.71 as checkpointed
-  # segments) and plans below full (2.88 MiB), as Llama-3.2-1B at one sequence (docs/own-model.md)
+  # rows, so sqrt holds no more than the gradient and one layer (1.88 MiB; 6.71 as checkpointed
+  # segments) and plans below full (2.88 MiB), as Llama-3.2-1B at one sequence (docs/own-model.md),
+  # and below none (2.63 MiB): the last layer of a segment is rebuilt without its output matmul
   from tests.own_model import inputs, mlp, stacked_params
   loss = lambda spec: lambda p, x: jnp.sum(scan_layers(mlp, p, x, policy=spec) ** 2)
   args = (stacked_params(), inputs())
-  assert (step_memory(loss('sqrt'), *args, target='h100').temp
-          < step_memory(loss('full'), *args, target='h100').temp)
+  temp = {spec: step_memory(loss(spec), *args, target='h100').temp
+          for spec in ('sqrt', 'full', 'none')}
+  assert temp['sqrt'] < temp['full'] and temp['sqrt'] < temp['none'], temp
