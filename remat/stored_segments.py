@@ -84,9 +84,10 @@ def _put(spill: list, others: list, j) -> list:
   return [jax.lax.dynamic_update_index_in_dim(b, o, j, 0) for b, o in zip(spill, others)]
 
 
-def _fits(plan) -> bool:
-  """Whether a unit's saved values all wait in its rows (none, or no part of one, in a loop output)."""
-  return all(kind != 'o' and (kind != 'a' or at[3] is None) for kind, at in plan.where)
+def _beyond_rows(plan, xs_leaves: list) -> int:
+  """Bytes of a unit's saved values that do not wait in its rows (loop outputs)."""
+  return plan.saved - sum(n * np.dtype(xs_leaves[leaf].dtype).itemsize
+                          for kind, at in plan.where if kind == 'a' for leaf, _, n in at[0])
 
 
 def pays_off(step: Callable, x, xs, size: int) -> bool:
@@ -108,10 +109,8 @@ def pays_off(step: Callable, x, xs, size: int) -> bool:
   unit = lambda x, v, k: converted(x, v, *k)
   rows = stored_scan.row_sizes(xs_leaves)
   plan = _plan(lambda: stored_scan.unit_residuals(unit, x, first, consts), xs_leaves, rows)
-  in_rows = sum(n * np.dtype(xs_leaves[leaf].dtype).itemsize
-                for kind, at in plan.where if kind == 'a' for leaf, _, n in at[0])
   row_bytes = sum(r * np.dtype(a.dtype).itemsize for r, a in zip(rows, xs_leaves))
-  return plan.saved - in_rows <= 2 * size * row_bytes
+  return _beyond_rows(plan, xs_leaves) <= 2 * size * row_bytes
 
 
 def run(step: Callable, x, xs, size: int):
@@ -237,14 +236,18 @@ def run(step: Callable, x, xs, size: int):
     zero = zero_after(ct_x)
     spill = [jnp.full((length,) + a.shape, zero.astype(a.dtype)) for a in spill]
     # The last unit's output is not needed (the next segment's input is kept): its saved values
-    # alone are computed, after the loop (stored_scan.unit_saved), where they all fit in its rows.
-    # Otherwise the loop rebuilds it whole: in straight-line code XLA held more of a unit's values
-    # beside the loop outputs (Llama-3.2-1B --lora 16, batch 2 x 2048, H100 plan, sqrt: 1.25 ->
-    # 1.32 GiB), and, in a segment of two units, whose loop of one iteration XLA inlines, the two
-    # units in straight-line code planned more (the 16-layer MLP of tests/own_model.py, seg:2:
-    # 2.63 -> 5.63 MiB, the rows copied; 3.44 with the segment input read through an
-    # optimization barrier).
-    head = length if length == 2 or not _fits(plan) else length - 1
+    # alone are computed, after the loop (stored_scan.unit_saved). Not where a unit saves more
+    # beyond its rows than its rows hold: there, in straight-line code, XLA held more of the
+    # unit's values beside the loop outputs (Llama-3.2-1B --lora 16, whose rows are the
+    # adapters', batch 2 x 2048, H100 plan, sqrt: 1.25 -> 1.32 GiB). Nor in a segment of two
+    # units, whose loop of one iteration XLA inlines: the two units in straight-line code planned
+    # more (the 16-layer MLP of tests/own_model.py, seg:2: 2.63 -> 5.63 MiB, the rows copied;
+    # 3.44 with the segment input read through an optimization barrier). The loop rebuilds the
+    # last unit whole there.
+    row_bytes = sum(r * np.dtype(a.dtype).itemsize
+                    for r, a, g in zip(rows, xs_leaves, meta['grads']) if g)
+    peel = length != 2 and _beyond_rows(plan, xs_leaves) <= row_bytes
+    head = length - 1 if peel else length
     if head:
       (x, accs, spill), _ = jax.lax.scan(rerun, (x, accs, spill), jnp.arange(head))
     if head < length:

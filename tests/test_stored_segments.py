@@ -101,10 +101,10 @@ def test_the_rebuild_skips_what_only_a_segment_output_needs(spec, recomputed, ru
   assert count.flops == (DEPTH * 2 * 3 + recomputed) * 2 * BATCH * WIDTH * HIDDEN
 
 
-def test_a_unit_whose_values_do_not_fit_its_rows_is_rebuilt_whole(runs, monkeypatch):
+def test_a_unit_that_saves_more_beyond_its_rows_than_they_hold_is_rebuilt_whole(runs, monkeypatch):
   # seg:4 of 8 layers (2 segments of 4). At a batch of 32 a unit saves its input and 'up' (1024 +
   # 2048 floats), which fit its 4096 floats of rows: the last unit is rebuilt without its second
-  # matmul. At 512 they do not (16384 + 32768): the loop rebuilds all four units, output included
+  # matmul. At 512 (16384 + 32768 floats) the loop rebuilds all four units, output included
   from remat.measuring import step_flops
   monkeypatch.setattr(stored_segments, 'pays_off', lambda *a: True)
   for batch, recomputed in ((32, 2 * (3 * 2 + 1)), (512, 2 * 4 * 2)):
