@@ -52,12 +52,12 @@ def read_after(x, value):
   """``x``, read only once ``value`` exists, inside :func:`fused_update`'s backward pass.
 
   For derivative rules: ``q = read_after(q, dO)`` in a custom VJP's backward makes
-  every use of ``q`` wait for ``dO`` (``x`` plus a zero made from ``value[0]``, NaN-safe; one add XLA fuses into
-  the reader). XLA's CPU schedule otherwise prepares a layer's backward pass from
-  its residuals as soon as they are read, holding those copies through the rest
-  of the layer's backward pass. Elsewhere (an ordinary step) it returns ``x``
-  unchanged: there the hint was measured to help some plans and hurt others
-  (GPT-2 small's H200 plan of ``dots_no_batch``: +174 MiB).
+  every use of ``q`` wait for ``dO`` (``x`` plus a zero made from ``value[0]``, 0 for
+  NaN and inf too; one add XLA fuses into the reader). XLA's CPU schedule otherwise
+  prepares a layer's backward pass from its residuals as soon as they are read,
+  holding those copies through the rest of the layer's backward pass. Elsewhere (an
+  ordinary step) it returns ``x`` unchanged: there the hint was measured to help some
+  plans and hurt others (GPT-2 small's H200 plan of ``dots_no_batch``: +174 MiB).
   """
   if not _IN_BACKWARD.get():
     return x
