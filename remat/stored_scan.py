@@ -66,7 +66,8 @@ class _Plan:
   tree: object
   where: tuple
   used: frozenset
-  saved: int   # bytes of the unit's own saved values
+  saved: int      # bytes of the unit's own saved values
+  spill: tuple    # the unit's loop outputs (ShapeDtypeStructs, flat), in order
 
 
 def applies(x, xs) -> bool:
@@ -167,7 +168,7 @@ def _plan(trace: Callable, xs_leaves: list, rows: list) -> _Plan:
     return mine
   mine = jax.eval_shape(shapes)
   free = [0] * len(rows)
-  where, used, others = [], set(), 0
+  where, used, spill = [], set(), []
   for origin in box['where']:
     if origin[0] != 'r':
       where.append(origin)
@@ -188,8 +189,8 @@ def _plan(trace: Callable, xs_leaves: list, rows: list) -> _Plan:
         spot = (dtype, size, fits)
         break
     if not box['storable'][origin[1]] or spot is None:
-      where.append(('o', (others, tuple(value.shape))))
-      others += 1
+      where.append(('o', (len(spill), tuple(value.shape))))
+      spill.append(jax.ShapeDtypeStruct((count,), value.dtype))
       continue
     dtype, size, fits = spot
     pieces, done = [], 0
@@ -203,10 +204,11 @@ def _plan(trace: Callable, xs_leaves: list, rows: list) -> _Plan:
         break
     rest = None
     if done < size:
-      rest, others = others, others + 1
+      rest = len(spill)
+      spill.append(jax.ShapeDtypeStruct((size - done,), dtype))
     where.append(('a', (tuple(pieces), tuple(value.shape), value.dtype, rest)))
   return _Plan(box['tree'], tuple(where), frozenset(used),
-               sum(a.size * a.dtype.itemsize for a in mine))
+               sum(a.size * a.dtype.itemsize for a in mine), tuple(spill))
 
 
 def row_sizes(xs_leaves: list) -> list:
@@ -301,14 +303,38 @@ def store(accs: list, plan: _Plan, mine: list, u) -> tuple[list, list]:
     if kind == 'o':
       others[at[0]] = value.reshape(-1)
       continue
-    flat, done = _to_bits(value, accs[at[0][0][0]].dtype).reshape(1, -1), 0
-    for leaf, offset, size in at[0]:
-      accs[leaf] = jax.lax.dynamic_update_slice(
-          accs[leaf], flat[:, done:done + size], (u, offset))
-      done += size
+    accs, left = put(accs, _in_unit(at[0]), value, u)
     if at[3] is not None:
-      others[at[3]] = flat[0, done:]
+      others[at[3]] = left
   return accs, [others[n] for n in sorted(others)]
+
+
+def _in_unit(pieces: tuple) -> tuple:
+  """A plan's pieces ``(leaf, offset, size)`` in one unit's rows, as :func:`put` takes them."""
+  return tuple((leaf, 0, offset, size) for leaf, offset, size in pieces)
+
+
+def put(accs: list, pieces: tuple, value, start) -> tuple[list, jax.Array]:
+  """Writes ``value``'s bits into rows from unit ``start`` on; returns ``(accs, its flat rest)``.
+
+  ``pieces``: ``(leaf, unit after start, offset in its row, size)``, in order.
+  """
+  flat, done = _to_bits(value, accs[pieces[0][0]].dtype).reshape(1, -1), 0
+  for leaf, unit, offset, size in pieces:
+    accs[leaf] = jax.lax.dynamic_update_slice(
+        accs[leaf], flat[:, done:done + size], (start + unit if unit else start, offset))
+    done += size
+  return accs, flat[0, done:]
+
+
+def get(accs: list, pieces: tuple, shape, dtype, start, rest=None):
+  """The value :func:`put` wrote from unit ``start`` on (``rest``: its flat part elsewhere)."""
+  parts = [jax.lax.dynamic_slice(accs[leaf], (start + unit if unit else start, offset), (1, size))
+           for leaf, unit, offset, size in pieces]
+  if rest is not None:
+    parts.append(rest.reshape(1, -1))
+  flat = (parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)).reshape(-1)
+  return _from_bits(flat, dtype, shape)
 
 
 def pull(plan: _Plan, accs: list, u, v, k, own: list) -> Callable:
@@ -324,7 +350,8 @@ def pull(plan: _Plan, accs: list, u, v, k, own: list) -> Callable:
     elif kind == 'o':
       leaves.append(own[at[0]].reshape(at[1]))
     else:
-      leaves.append(_load(accs, at, u, None if at[3] is None else own[at[3]]))
+      leaves.append(get(accs, _in_unit(at[0]), at[1], at[2], u,
+                        None if at[3] is None else own[at[3]]))
   return jax.tree_util.tree_unflatten(plan.tree, leaves)
 
 
@@ -336,20 +363,6 @@ def write(accs: list, ct_v, u) -> list:
       accs[i] = jax.lax.dynamic_update_slice(accs[i], g.reshape(1, -1).astype(accs[i].dtype),
                                              (u, 0))
   return accs
-
-
-def _load(accs: list, at: tuple, u, rest=None):
-  """A value stored in unit ``u``'s rows (read before that unit's gradient is written).
-
-  ``rest``: the unit's slice of the loop output holding the value's remainder, if any.
-  """
-  pieces, shape, dtype, _ = at
-  parts = [jax.lax.dynamic_slice(accs[leaf], (u, offset), (1, size))
-           for leaf, offset, size in pieces]
-  if rest is not None:
-    parts.append(rest.reshape(1, -1))
-  flat = (parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)).reshape(-1)
-  return _from_bits(flat, dtype, shape)
 
 
 def _elements(count: int, dtype, acc_dtype) -> int | None:

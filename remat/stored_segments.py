@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from remat import stored_scan
-from remat.stored_scan import _from_bits, _plan, _to_bits
+from remat.stored_scan import _plan, get, put
 from remat.unrolled_parts import hoist, materialise, zero_after
 
 
@@ -56,27 +56,6 @@ def _span(pieces: tuple, row: dict) -> tuple:
       out.append((leaf, unit, at, take))
       offset, size = offset + take, size - take
   return tuple(out)
-
-
-def _store(accs: list, pieces: tuple, value, start):
-  """Writes ``value`` into the rows from unit ``start`` on (pieces from :func:`_span`); returns
-  ``(accs, the flat part that did not fit)``."""
-  flat, done = _to_bits(value, accs[pieces[0][0]].dtype).reshape(1, -1), 0
-  for leaf, unit, at, size in pieces:
-    accs[leaf] = jax.lax.dynamic_update_slice(accs[leaf], flat[:, done:done + size],
-                                              (start + unit, at))
-    done += size
-  return accs, flat[0, done:]
-
-
-def _read(accs: list, pieces: tuple, shape, dtype, start, rest=None):
-  """The value :func:`_store` wrote from unit ``start`` on (``rest``: its part that did not fit)."""
-  parts = [jax.lax.dynamic_slice(accs[leaf], (start + unit, at), (1, size))
-           for leaf, unit, at, size in pieces]
-  if rest is not None:
-    parts.append(rest.reshape(1, -1))
-  flat = (parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)).reshape(-1)
-  return _from_bits(flat, dtype, shape)
 
 
 def _put(spill: list, others: list, j) -> list:
@@ -164,7 +143,7 @@ def run(step: Callable, x, xs, size: int):
       if kind == 'o':
         outs.append(value.reshape(-1))
         continue
-      accs, left = _store(accs, at[0], value, start)
+      accs, left = put(accs, at[0], value, start)
       outs.append(left if at[3] is not None else None)
     return accs, outs
 
@@ -172,7 +151,7 @@ def run(step: Callable, x, xs, size: int):
     leaves = []
     for (kind, at), out, (shape, dtype) in zip(where, outs, x_shapes):
       leaves.append(out.reshape(shape) if kind == 'o'
-                    else _read(accs, at[0], at[1], at[2], start, out))
+                    else get(accs, at[0], at[1], at[2], start, out))
     return jax.tree_util.tree_unflatten(x_def, leaves)
 
   def forward(x, xs, k):
@@ -230,11 +209,8 @@ def run(step: Callable, x, xs, size: int):
     # made from the segment's incoming cotangent, so that XLA allocates them no earlier (as
     # constant zeros they were allocated with the loss gradient: llama-tiny's stage with its
     # last layer rebuilt apart, H100 plan, 48.35 MiB of temp against 46.09).
-    spill = jax.eval_shape(
-        lambda x, accs: stored_scan.store(accs, plan, residuals(x, take(xs, start), k)[3], start)[1],
-        x, accs)
     zero = zero_after(ct_x)
-    spill = [jnp.full((length,) + a.shape, zero.astype(a.dtype)) for a in spill]
+    spill = [jnp.full((length,) + a.shape, zero.astype(a.dtype)) for a in plan.spill]
     # The last unit's output is not needed (the next segment's input is kept): its saved values
     # alone are computed, after the loop (stored_scan.unit_saved). Not where a unit saves more
     # beyond its rows than its rows hold: there, in straight-line code, XLA held more of the
