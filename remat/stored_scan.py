@@ -40,7 +40,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
-from remat import kept_in_gradients
+from remat import backward_order, kept_in_gradients
 from remat.kept_in_gradients import _storable
 from remat.layout import target_platform
 from remat.unrolled_parts import (batched, hoist, inexact, materialise, primal_values,
@@ -87,7 +87,7 @@ def applies(x, xs) -> bool:
           and not batched((x, xs)))
 
 
-def run(step: Callable, x, xs):
+def run(step: Callable, x, xs, in_order: bool = False):
   """``lax.scan(step, x, xs)`` with the derivative above.
 
   Args:
@@ -95,6 +95,7 @@ def run(step: Callable, x, xs):
       inside (``prevent_cse=False`` is safe: the loop stays a loop).
     x: the carry.
     xs: per-unit inputs stacked ``[U, ...]`` (parameters, keys, layer inputs).
+    in_order: write each gradient row as soon as it is computed (:func:`unit_backward`).
 
   Returns:
     ``(x, ys)`` with ``ys`` stacked ``[U, ...]``.
@@ -145,7 +146,7 @@ def run(step: Callable, x, xs):
     def body(carry, inp):
       ct_x, accs, ct_k, k = carry
       u, v, ct_y, own = inp
-      ct_x, accs, ct_k = unit_backward(plan, ct_x, accs, ct_k, u, v, k, own, ct_y)
+      ct_x, accs, ct_k = unit_backward(plan, ct_x, accs, ct_k, u, v, k, own, ct_y, in_order)
       return (ct_x, accs, ct_k, k), None
 
     (ct_x, accs, ct_k, _), _ = jax.lax.scan(
@@ -241,11 +242,53 @@ def backward_start(accs: list, rows: list, xs_leaves: list, grads: list, k):
   return accs, [jnp.zeros_like(a) if inexact(a) else None for a in jax.tree_util.tree_leaves(k)]
 
 
-def unit_backward(plan: _Plan, ct_x, accs: list, ct_k: list, u, v, k, own: list, ct_y):
-  """Unit ``u``'s backward step: its VJP (:func:`pull`), its gradient over its rows, ``k``'s summed."""
-  ct_x, ct_v, ct_kk = pull(plan, accs, u, v, k, own)((ct_x, ct_y))
+def unit_backward(plan: _Plan, ct_x, accs: list, ct_k: list, u, v, k, own: list, ct_y,
+                  in_order: bool = False):
+  """Unit ``u``'s backward step: its VJP (:func:`pull`), its gradient over its rows, ``k``'s summed.
+
+  ``in_order``: each gradient leaf is written over its row as soon as it is
+  computed, and the rest of the step waits for it
+  (:func:`remat.backward_order.write_when_final`).
+  """
+  if in_order:
+    ct_x, ct_v, ct_kk, accs, done = _pull_in_order(plan, accs, u, v, k, own, ct_x, ct_y)
+  else:
+    ct_x, ct_v, ct_kk = pull(plan, accs, u, v, k, own)((ct_x, ct_y))
+    done = set()
   ct_k = [None if a is None else a + g for a, g in zip(ct_k, jax.tree_util.tree_leaves(ct_kk))]
-  return ct_x, write(accs, ct_v, u), ct_k
+  return ct_x, write(accs, ct_v, u, skip=done), ct_k
+
+
+def _pull_in_order(plan: _Plan, accs: list, u, v, k, own: list, ct_x, ct_y):
+  """:func:`pull` called on ``(ct_x, ct_y)``, each gradient leaf written into its row when computed.
+
+  Returns ``(ct_x, ct_v, ct_kk, accs, the accumulators already written)``.
+  """
+  have = [i for i, a in enumerate(accs) if a is not None]
+  args, tree = jax.tree_util.tree_flatten(([accs[i] for i in have], u, v, k, own, (ct_x, ct_y)))
+  box = {}
+
+  def backward(*leaves):
+    given, u, v, k, own, cts = jax.tree_util.tree_unflatten(tree, list(leaves))
+    full = list(accs)
+    for i, a in zip(have, given):
+      full[i] = a
+    out = pull(plan, full, u, v, k, own)(cts)
+    leaves, box['tree'] = jax.tree_util.tree_flatten(out)
+    return leaves
+
+  def put_row(acc, g):
+    return jax.lax.dynamic_update_slice(acc, g.reshape(1, -1).astype(acc.dtype), (u, 0))
+  cts = len(jax.tree_util.tree_leaves((ct_x, ct_y)))
+  # the output is (ct_x, ct_v, ct_kk): ct_x has ct_x's leaves, then one leaf per xs leaf
+  rows = {len(jax.tree_util.tree_leaves(ct_x)) + i: n for n, i in enumerate(have)}
+  outs, written = backward_order.write_when_final(
+      backward, args, rows, put_row, set(range(len(args) - cts, len(args))))
+  accs = list(accs)
+  for n, acc in written.items():
+    accs[have[n]] = acc
+  ct_x, ct_v, ct_kk = jax.tree_util.tree_unflatten(box['tree'], outs)
+  return ct_x, ct_v, ct_kk, accs, {have[n] for n in written}
 
 
 def backward_end(accs: list, ct_k: list, xs_leaves: list, xs_def, k):
@@ -355,11 +398,11 @@ def pull(plan: _Plan, accs: list, u, v, k, own: list) -> Callable:
   return jax.tree_util.tree_unflatten(plan.tree, leaves)
 
 
-def write(accs: list, ct_v, u) -> list:
-  """Writes unit ``u``'s gradient ``ct_v`` over its rows of the accumulators it has."""
+def write(accs: list, ct_v, u, skip=frozenset()) -> list:
+  """Writes unit ``u``'s gradient ``ct_v`` over its rows of the accumulators it has (not ``skip``)."""
   accs = list(accs)
   for i, g in enumerate(jax.tree_util.tree_leaves(ct_v)):
-    if accs[i] is not None:
+    if accs[i] is not None and i not in skip:
       accs[i] = jax.lax.dynamic_update_slice(accs[i], g.reshape(1, -1).astype(accs[i].dtype),
                                              (u, 0))
   return accs
