@@ -142,9 +142,9 @@ def unrolled_active() -> bool:
 LAYOUTS = ('auto', 'scan', 'unrolled', 'loops', 'groups')
 LAYOUT_HELP = {
     'auto': 'scan on CPU; on a GPU, in a stack of <= 8 units: the scan for none and full in a '
-            'stack of one layer kind outside vmap or where a layer runs a loop of its own, else '
-            'unrolled for a per-layer rule and loops for none and patterns; deeper: scan '
-            '(docs/own-model.md)',
+            'stack of one layer kind outside vmap or where a layer runs a loop of its own, and '
+            'for dots in such a stack where none does; else unrolled for a per-layer rule and '
+            'loops for none and patterns; deeper: scan (docs/own-model.md)',
     'scan': 'one lax.scan over the layers: compiled once, whatever N; on a GPU what the rule saves '
             'waits in the gradient rows the backward pass writes later',
     'unrolled': 'a Python loop, each layer in jax.checkpoint with the rule (the per-block habit; '
@@ -218,14 +218,22 @@ def choose_layout(policy, num_units: int,
   :func:`remat.stored_scan.applies`; not inside ``jax.vmap``): there it plans
   below both yardsticks on the public models, compiled once where the unrolled
   layers compiled 2.1-2.7x as slowly (the issue-34 ViT, ``full``, H100 plan:
-  4.01 MiB against 3.78 unrolled and 4.52 per-block; docs/own-model.md).
+  3.15 MiB against 3.78 unrolled and 4.52 per-block; docs/own-model.md). So is
+  ``dots``, for a layer without a loop of its own, since each unit's backward
+  step writes its gradient rows as soon as they are computed
+  (:mod:`remat.backward_order`): the ViT 14.80 MiB against 15.39 per-block,
+  the Gemma-style decoder 19.32 against 19.03 (1.015x; 18.72 unrolled, which
+  compiled 2.1x as slowly). On our models, whose MLP backward runs in chunks,
+  the unrolled ``dots`` layers plan less (``vit-tiny`` 55.17 MiB against 58.28
+  scanned), so there ``dots`` stays the per-block habit.
 
   Otherwise, on a GPU, the layers become :mod:`remat.unrolled`'s Python loop,
   which frees each layer's saved values after its backward step where the scan
   holds them as ``[N, ...]`` stacks until its backward loop ends:
 
   * a per-layer rule that recomputes or keeps matmul outputs (``full``,
-    ``dots``, ``names:``, presets): ``'unrolled'``, the per-block habit;
+    ``dots``, ``names:``, presets) where the scan above is not chosen:
+    ``'unrolled'``, the per-block habit;
   * ``none``, and every rule in a pattern: ``'loops'``, each layer in a loop of
     one iteration. Under ``none`` its lean rule keeps less than either the scan
     or a plain loop without checkpoints (the lm1b model: 18.36 MiB against
@@ -250,7 +258,8 @@ def choose_layout(policy, num_units: int,
     return 'scan'
   if policy.rule in ('none', 'full') and (inner_loop() if callable(inner_loop) else inner_loop):
     return 'scan'
-  if (not pattern and policy.rule in ('none', 'full')
+  if (not pattern and policy.rule in ('none', 'full', 'dots')
+      and (policy.rule != 'dots' or not (inner_loop() if callable(inner_loop) else inner_loop))
       and (stored() if callable(stored) else stored)):
     return 'scan'
   if pattern or policy.rule == 'none':

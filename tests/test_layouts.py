@@ -69,8 +69,9 @@ def test_auto_is_the_scan_on_cpu():
 
 def test_auto_on_a_gpu_per_rule_pattern_and_inner_loop():
   """On a GPU plan: unrolled for a per-layer rule, loops for none and patterns, the scan for none and
-  full where a layer has a loop of its own or the scan stores its saved values in gradient rows
-  (docs/own-model.md has the measurements behind each)."""
+  full where a layer has a loop of its own or the scan stores its saved values in gradient rows,
+  and for dots where it stores them and no layer loops (docs/own-model.md has the measurements
+  behind each)."""
   pick = lambda spec, **kw: choose_layout(get_policy(spec), N, platform='gpu', **kw)
   assert [pick(s) for s in ('full', 'dots', 'names:fc1', 'none')] == \
       ['unrolled', 'unrolled', 'unrolled', 'loops']
@@ -81,9 +82,11 @@ def test_auto_on_a_gpu_per_rule_pattern_and_inner_loop():
   assert pick('dots', inner_loop=True) == 'unrolled'
   assert pick('dots', pattern=True, inner_loop=True) == 'loops'
   # where the scan keeps its saved values in gradient rows (one kind of layer, outside vmap):
-  # the scan for none and full, not for a rule that keeps matmul outputs or a pattern
+  # the scan for none, full and dots (dots only for a layer without a loop of its own), not for
+  # another rule or a pattern
   assert [pick(s, stored=True) for s in ('full', 'none', 'dots', 'names:fc1')] == \
-      ['scan', 'scan', 'unrolled', 'unrolled']
+      ['scan', 'scan', 'scan', 'unrolled']
+  assert pick('dots', stored=True, inner_loop=lambda: True) == 'unrolled'
   assert [pick(s, pattern=True, stored=lambda: True) for s in ('full', 'none')] == ['loops'] * 2
   # a rule that offloads: the scan, whose stacked residuals XLA moves to host memory (it moved
   # few of the unrolled layers' in tests/test_explain.py's llama-tiny, H200 plan)
