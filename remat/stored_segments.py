@@ -92,7 +92,7 @@ def pays_off(step: Callable, x, xs, size: int) -> bool:
   return _beyond_rows(plan, xs_leaves) <= 2 * size * row_bytes
 
 
-def run(step: Callable, x, xs, size: int):
+def run(step: Callable, x, xs, size: int, in_order: bool = True):
   """``lax.scan(step, x, xs)`` checkpointed in segments of ``size`` units, with the derivative above.
 
   Args:
@@ -101,6 +101,8 @@ def run(step: Callable, x, xs, size: int):
     x: the carry; its shape stays the same.
     xs: per-unit inputs stacked ``[U, ...]`` (parameters, keys, layer inputs).
     size: units per segment (a last segment of ``U % size`` follows).
+    in_order: a unit's backward step writes each gradient row as soon as it is
+      computed (:mod:`remat.backward_order`), where no float leaf is frozen.
 
   Returns:
     ``(x, ys)`` with ``ys`` stacked ``[U, ...]``.
@@ -228,14 +230,14 @@ def run(step: Callable, x, xs, size: int):
     # the float leaves are frozen: there the rows (a LoRA model's adapters') hold little, and the
     # barriers made XLA copy the unit's spilled values out of their buffers (Llama-3.2-1B
     # --lora 16, batch 2 x 2048, H100 plan, full@sqrt: 519.61 -> 580.65 MiB with them).
-    in_order = all(g for r, g in zip(rows, meta['grads']) if r)
+    ordered = in_order and all(g for r, g in zip(rows, meta['grads']) if r)
 
     def back(carry, inp):
       ct_x, accs, ct_k = carry
       j, own = inp
       u = start + j
       return stored_scan.unit_backward(plan, ct_x, accs, ct_k, u, take(xs, u), k, own,
-                                       take(ct_ys, u), in_order=in_order), None
+                                       take(ct_ys, u), in_order=ordered), None
 
     (ct_x, accs, ct_k), _ = jax.lax.scan(back, (ct_x, accs, ct_k), (jnp.arange(length), spill),
                                          reverse=True)
