@@ -30,6 +30,7 @@ accumulator).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import jax
@@ -175,7 +176,6 @@ def _inline(jaxpr, consts, args) -> list:
 
 def _context(eqn):
   """The equation's traceback and name stack, for the operations bound from it."""
-  import contextlib
   stack = contextlib.ExitStack()
   if _source_info is not None:
     stack.enter_context(_source_info.user_context(
