@@ -41,7 +41,7 @@ def runs(monkeypatch):
   """How many stacks :func:`remat.stored_segments.run` served."""
   count = []
   run = stored_segments.run
-  monkeypatch.setattr(stored_segments, 'run', lambda *a: count.append(1) or run(*a))
+  monkeypatch.setattr(stored_segments, 'run', lambda *a, **k: count.append(1) or run(*a, **k))
   return count
 
 
