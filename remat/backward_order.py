@@ -108,7 +108,7 @@ def write_when_final(fn: Callable, args: list, rows: dict, write: Callable,
     env.update(zip(held, out_held))
     for q in sorted(again):
       _bind(jaxpr.eqns[q], env)
-  return [v.val if isinstance(v, jcore.Literal) else env[v] for v in jaxpr.outvars], buffers
+  return _read(env, jaxpr.outvars), buffers
 
 
 def _vars(atoms) -> list:
@@ -145,14 +145,22 @@ def _roots(jaxpr, live: list, waiting: set, cheap: set, defined: dict) -> tuple[
   return held, again
 
 
-def _bind(eqn, env: dict) -> None:
-  """Evaluates one equation into ``env``, under its own source location and name."""
-  args = [a.val if isinstance(a, jcore.Literal) else env[a] for a in eqn.invars]
-  with _context(eqn):
-    out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
-  for var, value in zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]):
+def _read(env: dict, atoms) -> list:
+  """The values of ``atoms`` (variables in ``env``, or literals)."""
+  return [a.val if isinstance(a, jcore.Literal) else env[a] for a in atoms]
+
+
+def _assign(env: dict, outvars, values) -> None:
+  for var, value in zip(outvars, values):
     if not isinstance(var, jcore.DropVar):
       env[var] = value
+
+
+def _bind(eqn, env: dict) -> None:
+  """Evaluates one equation into ``env``, under its own source location and name."""
+  with _context(eqn):
+    out = eqn.primitive.bind(*_read(env, eqn.invars), **eqn.primitive.get_bind_params(eqn.params))
+  _assign(env, eqn.outvars, out if eqn.primitive.multiple_results else [out])
 
 
 def _inline(jaxpr, consts, args) -> list:
@@ -166,12 +174,8 @@ def _inline(jaxpr, consts, args) -> list:
     body = eqn.params.get('jaxpr', eqn.params.get('call_jaxpr'))
     inner, inner_consts = (body.jaxpr, body.consts) if hasattr(body, 'consts') else (body, ())
     with _context(eqn):
-      outs = _inline(inner, inner_consts,
-                     [a.val if isinstance(a, jcore.Literal) else env[a] for a in eqn.invars])
-    for var, value in zip(eqn.outvars, outs):
-      if not isinstance(var, jcore.DropVar):
-        env[var] = value
-  return [v.val if isinstance(v, jcore.Literal) else env[v] for v in jaxpr.outvars]
+      _assign(env, eqn.outvars, _inline(inner, inner_consts, _read(env, eqn.invars)))
+  return _read(env, jaxpr.outvars)
 
 
 def _context(eqn):

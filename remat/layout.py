@@ -256,15 +256,19 @@ def choose_layout(policy, num_units: int,
   if (platform != 'gpu' or policy.mixed or policy.segmented or policy.offloads
       or num_units > AUTO_UNROLL_MAX):
     return 'scan'
-  if policy.rule in ('none', 'full') and (inner_loop() if callable(inner_loop) else inner_loop):
+  if policy.rule in ('none', 'full') and _answer(inner_loop):
     return 'scan'
   if (not pattern and policy.rule in ('none', 'full', 'dots')
-      and (policy.rule != 'dots' or not (inner_loop() if callable(inner_loop) else inner_loop))
-      and (stored() if callable(stored) else stored)):
+      and (policy.rule != 'dots' or not _answer(inner_loop)) and _answer(stored)):
     return 'scan'
   if pattern or policy.rule == 'none':
     return 'loops'
   return 'unrolled'
+
+
+def _answer(flag: bool | Callable[[], bool]) -> bool:
+  """``flag``, called first where it is a function (asked only when the answer matters)."""
+  return flag() if callable(flag) else flag
 
 
 def has_loop(fn: Callable, *args) -> bool:

@@ -277,13 +277,12 @@ def _pull_in_order(plan: _Plan, accs: list, u, v, k, own: list, ct_x, ct_y):
     leaves, box['tree'] = jax.tree_util.tree_flatten(out)
     return leaves
 
-  def put_row(acc, g):
-    return jax.lax.dynamic_update_slice(acc, g.reshape(1, -1).astype(acc.dtype), (u, 0))
   cts = len(jax.tree_util.tree_leaves((ct_x, ct_y)))
   # the output is (ct_x, ct_v, ct_kk): ct_x has ct_x's leaves, then one leaf per xs leaf
   rows = {len(jax.tree_util.tree_leaves(ct_x)) + i: n for n, i in enumerate(have)}
   outs, written = backward_order.write_when_final(
-      backward, args, rows, put_row, set(range(len(args) - cts, len(args))))
+      backward, args, rows, lambda acc, g: _row_written(acc, g, u),
+      set(range(len(args) - cts, len(args))))
   accs = list(accs)
   for n, acc in written.items():
     accs[have[n]] = acc
@@ -403,9 +402,13 @@ def write(accs: list, ct_v, u, skip=frozenset()) -> list:
   accs = list(accs)
   for i, g in enumerate(jax.tree_util.tree_leaves(ct_v)):
     if accs[i] is not None and i not in skip:
-      accs[i] = jax.lax.dynamic_update_slice(accs[i], g.reshape(1, -1).astype(accs[i].dtype),
-                                             (u, 0))
+      accs[i] = _row_written(accs[i], g, u)
   return accs
+
+
+def _row_written(acc, g, u):
+  """``acc`` with unit ``u``'s row overwritten by the gradient leaf ``g``."""
+  return jax.lax.dynamic_update_slice(acc, g.reshape(1, -1).astype(acc.dtype), (u, 0))
 
 
 def _elements(count: int, dtype, acc_dtype) -> int | None:
