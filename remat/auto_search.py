@@ -25,7 +25,7 @@ from remat.memory import MemoryStats, compiled_memory, format_bytes
 from remat.policies import PolicyError, get_policy, sqrt_segment_size
 from remat.residuals import by_tag
 from remat.tags import iter_eqns
-from remat.targets import Target
+from remat.targets import Target, with_shardings
 
 # LLVM's optimisation of CPU code is most of a compile and changes neither buffer assignment
 # nor the plan (tests/test_auto.py checks the plans agree); the GPU pipeline is left as it is.
@@ -83,7 +83,7 @@ def _trace(program, example_args, target: Target, shardings: tuple | None):
   else:
     jitted = jax.jit(fn, in_shardings=shardings[0], out_shardings=shardings[1],
                      donate_argnums=donate)
-    args = _abstract(example_args)
+    args = with_shardings(_abstract(example_args), shardings[0])
   with compiling_for(target.platform):   # stacks with layout='auto' choose for the target
     return jitted.trace(*args), options
 

@@ -42,7 +42,7 @@ from remat.explain_analysis import (BACKWARD, CATEGORIES, GRADS, INPUTS, OPT, OT
                                     SAVED, Buffer, Explanation, Span, analyse)
 from remat.memory import compiled_memory
 from remat.policies import Policy, PolicyError, get_policy
-from remat.targets import Target, get_target
+from remat.targets import Target, get_target, with_shardings
 
 __all__ = ['explain', 'explain_all', 'write', 'run_cli', 'Explanation', 'Buffer', 'Span',
            'ExplainError', 'CATEGORIES', 'PARAMS', 'OPT', 'INPUTS', 'GRADS', 'SAVED', 'BACKWARD',
@@ -88,7 +88,8 @@ def _compile(program, args, target: Target, kw: dict):
   from remat.measuring import TrainStep, _abstract, _parts
   fn, donate, _ = _parts(program, args)
   # Given shardings name the devices (a mesh of CPU or abstract GPU devices) themselves.
-  placed = target.place(_abstract(args)) if 'in_shardings' not in kw else _abstract(args)
+  placed = (target.place(_abstract(args)) if 'in_shardings' not in kw
+            else with_shardings(_abstract(args), kw['in_shardings']))
   # keep_unused: HLO parameter i is then flattened leaf i, so each buffer maps to its argument.
   platform = 'gpu' if target.sharding is not None or kw.get('in_shardings') is not None and any(
       d.platform == 'gpu' for d in _devices(kw['in_shardings'])) else jax.default_backend()

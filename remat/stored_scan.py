@@ -79,12 +79,14 @@ def applies(x, xs) -> bool:
   588 MiB of ``temp``), where its GPU pipeline writes in place.
   Inside ``jax.vmap`` the stack keeps JAX's own derivative: a ``custom_vjp``'s
   backward would run per example and give per-example parameter gradients.
+  Not in a program split over several devices
+  (:func:`remat.kept_in_gradients.partitioned`).
   Inside :func:`remat.kept_in_gradients.suspended` it is the plain scan.
   """
   leaves = jax.tree_util.tree_leaves(xs)
   rows = any(inexact(a) and np.ndim(a) >= 1 and np.shape(a)[0] > 1 for a in leaves)
   return (rows and target_platform() == 'gpu' and kept_in_gradients.active()
-          and not batched((x, xs)))
+          and not batched((x, xs)) and not kept_in_gradients.partitioned((x, xs)))
 
 
 def run(step: Callable, x, xs, in_order: bool = False):

@@ -67,6 +67,21 @@ class Target:
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.sharding), tree)
 
 
+def with_shardings(tree, shardings):
+  """Abstract inputs that carry ``shardings`` (``jax.jit``'s ``in_shardings``, a pytree prefix of ``tree``).
+
+  Traced from these, each value's type names the mesh, as when the program is
+  called on sharded arrays; traced from unsharded ones with ``in_shardings``
+  alone it names none, and a stack cannot tell that the program is split over
+  devices (:func:`remat.kept_in_gradients.partitioned`).
+  """
+  def leaf(s, sub):
+    return jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), sub)
+  return jax.tree_util.tree_map(leaf, shardings, tree,
+                                is_leaf=lambda v: isinstance(v, jax.sharding.Sharding))
+
+
 def prefer_cpu_without_gpu() -> None:
   """Keeps JAX on the CPU backend on a machine with no NVIDIA driver, unless JAX_PLATFORMS is set.
 
