@@ -244,7 +244,17 @@ class Placement:
                                    microbatches=microbatches)
     step = self.jit_train_step(st.make_train_step(model, tx, seed, guard, microbatches), state,
                                batch)
-    return step.lower(state, batch).compile(compiler_options=compiler_options() or None)
+    return step.lower(*self.step_inputs(state, batch)).compile(
+        compiler_options=compiler_options() or None)
+
+  def step_inputs(self, state, batch):
+    """``(state, batch)`` as abstract arrays with their shardings on the mesh.
+
+    Traced from them the program knows it is split over devices, as when it is
+    called on the placed arrays (:func:`remat.kept_in_gradients.partitioned`);
+    ``in_shardings`` alone leave the traced values' types without the mesh.
+    """
+    return self.abstract(state), self.abstract(batch, self.batch_shardings(batch))
 
   @property
   def batch_shards(self) -> int:

@@ -60,7 +60,8 @@ def plan_row(place: Placement, step_fn, state, batch, spec: str) -> dict:
   """Compiles ``step_fn(state, batch)`` on ``place``'s mesh; returns the per-device shares."""
   platform = place.mesh.devices.flat[0].platform   # 'cpu', or 'gpu' for abstract GPUs
   with compiling_for('cpu' if platform == 'cpu' else 'gpu'):   # layout='auto' per target
-    lowered = place.jit_train_step(step_fn, state, batch).lower(state, batch)
+    lowered = place.jit_train_step(step_fn, state, batch).lower(
+        *place.step_inputs(state, batch))
   compiled = lowered.compile(
       compiler_options=compiler_options('cpu' if platform == 'cpu' else 'gpu') or None)
   mem: MemoryStats = compiled_memory(compiled, platform)
