@@ -68,7 +68,7 @@ class Target:
 
 
 def with_shardings(tree, shardings):
-  """Abstract inputs that carry ``shardings`` (``jax.jit``'s ``in_shardings``, a pytree prefix of ``tree``).
+  """Abstract inputs carrying ``shardings`` (``jax.jit``'s ``in_shardings``: a prefix of ``tree``).
 
   Traced from these, each value's type names the mesh, as when the program is
   called on sharded arrays; traced from unsharded ones with ``in_shardings``

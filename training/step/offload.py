@@ -283,7 +283,7 @@ def state_shardings(off: Offload, state, place):
 def compile_run_step(place, step_fn, state, batch, off: Offload):
   """``step_fn`` (the run's step, made with ``offload=off``) compiled for a GPU with the
   streamed state in host memory (the state donated)."""
-  from remat.targets import compiler_options
+  from remat.targets import compiler_options, with_shardings
   state_sh = state_shardings(off, state, place)
   if place.mesh is None:
     one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -292,4 +292,7 @@ def compile_run_step(place, step_fn, state, batch, off: Offload):
     batch_sh, out = place.batch_shardings(batch), place.replicated()
   step = jax.jit(step_fn, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, out),
                  donate_argnums=0)
-  return step.lower(state, batch).compile(compiler_options=compiler_options() or None)
+  # Traced from inputs with their shardings, as the run's placed arrays are: on a mesh the
+  # stacks then see that the program is split (remat.kept_in_gradients.partitioned).
+  inputs = with_shardings((state, batch), (state_sh, batch_sh))
+  return step.lower(*inputs).compile(compiler_options=compiler_options() or None)
