@@ -59,9 +59,10 @@ def suspended():
     _SUSPENDED.reset(token)
 
 
-def active() -> bool:
-  """Whether saved values may wait in gradient rows here (not inside :func:`suspended`)."""
-  return not _SUSPENDED.get()
+def active(tree=()) -> bool:
+  """Whether saved values may wait in gradient rows here: not inside :func:`suspended`, nor
+  where ``tree`` (the stack's values) is traced for several devices (:func:`partitioned`)."""
+  return not _SUSPENDED.get() and not partitioned(tree)
 
 
 def partitioned(tree) -> bool:

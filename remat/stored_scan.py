@@ -85,8 +85,8 @@ def applies(x, xs) -> bool:
   """
   leaves = jax.tree_util.tree_leaves(xs)
   rows = any(inexact(a) and np.ndim(a) >= 1 and np.shape(a)[0] > 1 for a in leaves)
-  return (rows and target_platform() == 'gpu' and kept_in_gradients.active()
-          and not batched((x, xs)) and not kept_in_gradients.partitioned((x, xs)))
+  return (rows and target_platform() == 'gpu' and kept_in_gradients.active((x, xs))
+          and not batched((x, xs)))
 
 
 def run(step: Callable, x, xs, in_order: bool = False):

@@ -61,10 +61,7 @@ class Target:
 
   def place(self, tree):
     """Gives abstract inputs this target's sharding (a no-op for the local backend)."""
-    if self.sharding is None:
-      return tree
-    return jax.tree_util.tree_map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.sharding), tree)
+    return tree if self.sharding is None else with_shardings(tree, self.sharding)
 
 
 def with_shardings(tree, shardings):

@@ -179,8 +179,7 @@ def run(unit, x, xs: dict, counts: dict, num_units: int, policy: Policy, layout:
   # (ViT-B/16's train step, 'unrolled', 'full', per-block gradients: 1575 -> 2230 MiB peak).
   # Nor in a program split over devices (kept_in_gradients.partitioned).
   gpu = target_platform() == 'gpu'
-  pack = (lean and gpu and kept_in_gradients.active()
-          and not kept_in_gradients.partitioned((x, xs)))
+  pack = lean and gpu and kept_in_gradients.active((x, xs))
   return unrolled.run(blocks, x, xs, counts, pack=pack, cpu=lean and not gpu)
 
 

@@ -37,6 +37,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from remat.targets import with_shardings
+
 AXES = ('data', 'fsdp')
 BATCH_AXES = ('data', 'fsdp')   # the batch's leading axis is split over both
 _SIM_HINT = 'XLA_FLAGS=--xla_force_host_platform_device_count'
@@ -192,9 +194,7 @@ class Placement:
       one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
       return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                                    sharding=one), tree)
-    shardings = self.state_shardings(tree) if shardings is None else shardings
-    return jax.tree_util.tree_map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+    return with_shardings(tree, self.state_shardings(tree) if shardings is None else shardings)
 
   # Arrays -----------------------------------------------------------------------------------
   def put(self, tree, shardings):
