@@ -229,8 +229,9 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True, cpu: 
     for b, w in zip(blocks, which):
       view = items.take(xs, b, in_place, _zero(x))
       inputs.append(jax.tree_util.tree_leaves(x))
-      if b.keeps == 'input':
-        kept.append([x])
+      if b.keeps == 'input':   # its input's leaves: a carry may be a pytree
+        kept.append(jax.tree_util.tree_leaves(x))
+        meta['carry'] = jax.tree_util.tree_structure(x)
         layouts.append(None)
         x, ys_b = converted[w](x, view, *consts[w])
         pieces.append(ys_b)
@@ -315,8 +316,9 @@ def run(blocks: list[Block], x, xs: dict, counts: dict, pack: bool = True, cpu: 
       if zero is not None and (b.recomputes or b.keeps == 'input'):
         kept[bi] = plus_zero(kept[bi], zero)
       if meta['layouts'][bi] is None:   # a segment: run it again from its input, then back
-        at = spots.get((bi, 0))
-        start = kept[bi][0] if at is None else kept_in_gradients.load(acc, at)
+        start = [a if (bi, j) not in spots else kept_in_gradients.load(acc, spots[(bi, j)])
+                 for j, a in enumerate(kept[bi])]
+        start = jax.tree_util.tree_unflatten(meta['carry'], start)
         _, pull = jax.vjp(call(w), start, view, consts[w])
       else:
         tree, where = meta['layouts'][bi]

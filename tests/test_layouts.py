@@ -196,6 +196,26 @@ def test_keys_and_per_layer_inputs_and_outputs():
       assert_trees_close(run(spec, layout), want, err_msg=f'{spec} {layout}: ')
 
 
+@pytest.mark.parametrize('spec', ['none', 'full', 'sqrt', 'full@seg:2', '2xfull+none'])
+def test_a_pytree_carry_under_every_layout_for_a_gpu(spec):
+  """A carry of two arrays of different shapes: a segment's saved input is a pytree, stored leaf by
+  leaf in gradient rows (GPU trace; its tuple was passed whole to the row planner before)."""
+  def layer(p, carry):
+    x, total = carry
+    y = mlp(p, x)
+    return y, total + jnp.mean(y, axis=-1)
+
+  def grads(layout):
+    def loss(p, x):
+      y, total = scan_layers(layer, p, (x, jnp.zeros((B,))), policy=spec, layout=layout)
+      return jnp.sum(y ** 2) + jnp.sum(total ** 3)
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))(params(), X)
+  want = grads('scan')
+  with compiling_for('gpu'):
+    for layout in LAYOUTS:
+      assert_trees_close(grads(layout), want, err_msg=f'{spec} {layout}: ')
+
+
 class Block(nn.Module):
   @nn.compact
   def __call__(self, x, train: bool = True):
