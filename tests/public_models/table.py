@@ -1,6 +1,7 @@
 """Prints docs/own-model.md's table: each public model's loss-gradient temp, untouched and stacked.
 
     PYTHONPATH=. python -m tests.public_models.table [--targets cpu,h200] [--ours] [--yardsticks]
+        [--rules dots_no_batch,save_qkv_proj]
 
 With ``--ours``, the rows of our own GPT, ViT and Llama (tests/public_models/ours.py)
 instead, each against its unrolled form (``remat.layout.unrolled_reference``).
@@ -8,7 +9,8 @@ With ``--yardsticks``, the three references side by side at >= 8 layers
 (:func:`tests.public_models.deep_case`, ``ours.DEEP``): the untouched model, its
 blocks under a per-block ``nn.remat`` (the authors' own for the public models,
 ``remat.layout.per_block_reference`` for ours) and the stack under the default
-``layout='auto'``.
+``layout='auto'``; with ``--rules`` as well, other rules: the per-block habit, the
+stack scanned and under ``auto``.
 """
 
 import argparse
@@ -107,6 +109,60 @@ def yardstick_rows(targets, names, ours_too: bool):
           lambda s: grad_memory(cfg, s, batch, size, t).temp), flush=True)
 
 
+def rule_rows(targets, names, rules, ours_too: bool):
+  """Prints, per model and rule, the per-block habit and the stack scanned and under ``auto``.
+
+  For the rules outside issue 34's bounds (presets, ``dots_no_batch``, ``names:``): which layout
+  plans less is model-dependent, and ``auto`` (unrolled for them on a GPU) is not always it. A
+  preset that needs tags a public model does not emit (they emit none) is left out.
+  """
+  import remat.layout
+  from remat.policies import PolicyError
+  from tests.public_models import deep_case
+  chosen = remat.layout.choose_layout
+  mib = lambda b: f'{b / 2 ** 20:.2f}'
+
+  def row(label, tname, rule, per_block, stack):
+    try:
+      pb, auto = per_block(rule), stack(rule)
+    except PolicyError:
+      return
+    remat.layout.choose_layout = lambda *args, **kwargs: 'scan'
+    try:
+      scan = stack(rule)
+    finally:
+      remat.layout.choose_layout = chosen
+    print(f'| {label} | {tname.upper()} | `{rule}` | {mib(pb)} | {mib(scan)} ({scan / pb:.2f}x) '
+          f'| {mib(auto)} ({auto / pb:.2f}x) |', flush=True)
+  print('| model (layers) | plan | rule | per-block | stack `scan` (/pb) | stack `auto` (/pb) |')
+  print('|---|---|---|---|---|---|')
+  for name in names:
+    c = deep_case(name)
+    sp = c.stack(c.params)
+    for tname in targets:
+      t = get_target(tname)
+      for rule in rules:
+        row(f'{name} ({c.num_layers})', tname, rule,
+            lambda r: step_memory(c.per_block(r), c.params, c.batch, target=t).temp,
+            lambda r: step_memory(c.stacked(r), sp, c.batch, target=t).temp)
+  if not ours_too:
+    return
+  from bench.zoo import grad_memory
+  from remat.layout import per_block_reference
+  from tests.public_models import ours
+  for config, (batch, size) in ours.ZOO.items():
+    cfg = ours.model_config(config, ours.DEEP)
+    for tname in targets:
+      t = get_target(tname)
+
+      def per_block(r):
+        with per_block_reference(r):
+          return grad_memory(cfg, 'none', batch, size, t).temp
+      for rule in rules:
+        row(f'`{config}` ({cfg.num_layers})', tname, rule, per_block,
+            lambda r: grad_memory(cfg, r, batch, size, t).temp)
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument('--targets', default='cpu,h200')
@@ -116,7 +172,15 @@ def main():
                   help='untouched, per-block nn.remat and the stack side by side (>= 8 layers)')
   ap.add_argument('--models', default=','.join(YARDSTICK_MODELS) + ',ours',
                   help="with --yardsticks: public models, and 'ours' for our GPT, ViT, Llama")
+  ap.add_argument('--rules', default=None,
+                  help='with --yardsticks: these rules instead (per-block, scan and auto each)')
   args = ap.parse_args()
+  if args.yardsticks and args.rules:
+    names = args.models.split(',')
+    print(f'jax {jax.__version__}; loss-gradient temp (MiB, XLA memory_analysis)')
+    rule_rows(args.targets.split(','), [n for n in names if n != 'ours'], args.rules.split(','),
+              'ours' in names)
+    return
   if args.yardsticks:
     names = args.models.split(',')
     print(f'jax {jax.__version__}; loss-gradient temp (MiB, XLA memory_analysis), layout auto')
