@@ -1,7 +1,7 @@
 """Prints docs/own-model.md's table: each public model's loss-gradient temp, untouched and stacked.
 
     PYTHONPATH=. python -m tests.public_models.table [--targets cpu,h200] [--ours] [--yardsticks]
-        [--rules dots_no_batch,save_qkv_proj]
+        [--rules dots_no_batch,save_qkv_proj] [--models vit,lm1b,ours]
 
 With ``--ours``, the rows of our own GPT, ViT and Llama (tests/public_models/ours.py)
 instead, each against its unrolled form (``remat.layout.unrolled_reference``).
@@ -9,7 +9,7 @@ With ``--yardsticks``, the three references side by side at >= 8 layers
 (:func:`tests.public_models.deep_case`, ``ours.DEEP``): the untouched model, its
 blocks under a per-block ``nn.remat`` (the authors' own for the public models,
 ``remat.layout.per_block_reference`` for ours) and the stack under the default
-``layout='auto'``; with ``--rules`` as well, other rules: the per-block habit, the
+``layout='auto'``. With ``--rules``, other rules there: the per-block habit, the
 stack scanned and under ``auto``.
 """
 
@@ -171,11 +171,12 @@ def main():
   ap.add_argument('--yardsticks', action='store_true',
                   help='untouched, per-block nn.remat and the stack side by side (>= 8 layers)')
   ap.add_argument('--models', default=','.join(YARDSTICK_MODELS) + ',ours',
-                  help="with --yardsticks: public models, and 'ours' for our GPT, ViT, Llama")
+                  help="with --yardsticks or --rules: public models, and 'ours' for our GPT, ViT, "
+                       'Llama')
   ap.add_argument('--rules', default=None,
-                  help='with --yardsticks: these rules instead (per-block, scan and auto each)')
+                  help='other rules at >= 8 layers: the per-block habit, the scan and auto each')
   args = ap.parse_args()
-  if args.yardsticks and args.rules:
+  if args.rules:
     names = args.models.split(',')
     print(f'jax {jax.__version__}; loss-gradient temp (MiB, XLA memory_analysis)')
     rule_rows(args.targets.split(','), [n for n in names if n != 'ours'], args.rules.split(','),
