@@ -14,6 +14,7 @@ stack scanned and under ``auto``.
 """
 
 import argparse
+import contextlib
 import time
 
 from remat.targets import prefer_cpu_without_gpu
@@ -73,40 +74,50 @@ def _yardstick_row(label, tname, untouched, per_block, stack) -> str:
           f'{mib(none)} ({none / untouched:.2f}x) |')
 
 
-def yardstick_rows(targets, names, ours_too: bool):
-  """Prints untouched, per-block full/dots and the stack's full/dots/none (temp MiB) per model."""
+def _deep_models(targets, names, ours_too: bool):
+  """Per model (>= 8 layers) and target: ``(label, target, untouched(), per_block(rule), stack(spec))``.
+
+  Each yields temp in bytes, compiled when called: the public models ``names``
+  (their yardsticks as their authors wrote them), then, with ``ours_too``, our
+  GPT, ViT and Llama (their yardsticks traced with :mod:`remat.layout`'s references).
+  """
   from tests.public_models import deep_case
-  print('| model (layers) | plan | untouched | per-block `full` | stack `full` (/pb) | '
-        'per-block `dots` | stack `dots` (/pb) | stack `none` (/untouched) |')
-  print('|---|---|---|---|---|---|---|---|')
   for name in names:
     c = deep_case(name)
     sp = c.stack(c.params)
     for tname in targets:
       t = get_target(tname)
-      print(_yardstick_row(
-          f'{name} ({c.num_layers})', tname,
-          step_memory(c.untouched, c.params, c.batch, target=t).temp,
-          lambda r: step_memory(c.per_block(r), c.params, c.batch, target=t).temp,
-          lambda s: step_memory(c.stacked(s), sp, c.batch, target=t).temp), flush=True)
+      yield (f'{name} ({c.num_layers})', tname,
+             lambda c=c, t=t: step_memory(c.untouched, c.params, c.batch, target=t).temp,
+             lambda r, c=c, t=t: step_memory(c.per_block(r), c.params, c.batch, target=t).temp,
+             lambda s, c=c, t=t, sp=sp: step_memory(c.stacked(s), sp, c.batch, target=t).temp)
   if not ours_too:
     return
   from bench.zoo import grad_memory
   from remat.layout import per_block_reference, unrolled_reference
   from tests.public_models import ours
 
-  def within(context, cfg, spec, batch, size, t):
+  def within(context, spec, cfg, batch, size, t):
     with context:
       return grad_memory(cfg, spec, batch, size, t).temp
   for config, (batch, size) in ours.ZOO.items():
     cfg = ours.model_config(config, ours.DEEP)
     for tname in targets:
       t = get_target(tname)
-      print(_yardstick_row(
-          f'`{config}` ({cfg.num_layers})', tname,
-          within(unrolled_reference(), cfg, 'none', batch, size, t),
-          lambda r: within(per_block_reference(r), cfg, 'none', batch, size, t),
-          lambda s: grad_memory(cfg, s, batch, size, t).temp), flush=True)
+      args = (cfg, batch, size, t)   # bound now: the caller may hold the functions past this step
+      yield (f'`{config}` ({cfg.num_layers})', tname,
+             lambda a=args: within(unrolled_reference(), 'none', *a),
+             lambda r, a=args: within(per_block_reference(r), 'none', *a),
+             lambda s, a=args: within(contextlib.nullcontext(), s, *a))
+
+
+def yardstick_rows(targets, names, ours_too: bool):
+  """Prints untouched, per-block full/dots and the stack's full/dots/none (temp MiB) per model."""
+  print('| model (layers) | plan | untouched | per-block `full` | stack `full` (/pb) | '
+        'per-block `dots` | stack `dots` (/pb) | stack `none` (/untouched) |')
+  print('|---|---|---|---|---|---|---|---|')
+  for label, tname, untouched, per_block, stack in _deep_models(targets, names, ours_too):
+    print(_yardstick_row(label, tname, untouched(), per_block, stack), flush=True)
 
 
 def rule_rows(targets, names, rules, ours_too: bool):
@@ -118,49 +129,23 @@ def rule_rows(targets, names, rules, ours_too: bool):
   """
   import remat.layout
   from remat.policies import PolicyError
-  from tests.public_models import deep_case
   chosen = remat.layout.choose_layout
   mib = lambda b: f'{b / 2 ** 20:.2f}'
-
-  def row(label, tname, rule, per_block, stack):
-    try:
-      pb, auto = per_block(rule), stack(rule)
-    except PolicyError:
-      return
-    remat.layout.choose_layout = lambda *args, **kwargs: 'scan'
-    try:
-      scan = stack(rule)
-    finally:
-      remat.layout.choose_layout = chosen
-    print(f'| {label} | {tname.upper()} | `{rule}` | {mib(pb)} | {mib(scan)} ({scan / pb:.2f}x) '
-          f'| {mib(auto)} ({auto / pb:.2f}x) |', flush=True)
   print('| model (layers) | plan | rule | per-block | stack `scan` (/pb) | stack `auto` (/pb) |')
   print('|---|---|---|---|---|---|')
-  for name in names:
-    c = deep_case(name)
-    sp = c.stack(c.params)
-    for tname in targets:
-      t = get_target(tname)
-      for rule in rules:
-        row(f'{name} ({c.num_layers})', tname, rule,
-            lambda r: step_memory(c.per_block(r), c.params, c.batch, target=t).temp,
-            lambda r: step_memory(c.stacked(r), sp, c.batch, target=t).temp)
-  if not ours_too:
-    return
-  from bench.zoo import grad_memory
-  from remat.layout import per_block_reference
-  from tests.public_models import ours
-  for config, (batch, size) in ours.ZOO.items():
-    cfg = ours.model_config(config, ours.DEEP)
-    for tname in targets:
-      t = get_target(tname)
-
-      def per_block(r):
-        with per_block_reference(r):
-          return grad_memory(cfg, 'none', batch, size, t).temp
-      for rule in rules:
-        row(f'`{config}` ({cfg.num_layers})', tname, rule, per_block,
-            lambda r: grad_memory(cfg, r, batch, size, t).temp)
+  for label, tname, _, per_block, stack in _deep_models(targets, names, ours_too):
+    for rule in rules:
+      try:
+        pb, auto = per_block(rule), stack(rule)
+      except PolicyError:
+        continue
+      remat.layout.choose_layout = lambda *args, **kwargs: 'scan'
+      try:
+        scan = stack(rule)
+      finally:
+        remat.layout.choose_layout = chosen
+      print(f'| {label} | {tname.upper()} | `{rule}` | {mib(pb)} | {mib(scan)} '
+            f'({scan / pb:.2f}x) | {mib(auto)} ({auto / pb:.2f}x) |', flush=True)
 
 
 def main():
