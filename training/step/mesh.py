@@ -191,9 +191,7 @@ class Placement:
     mesh wrote the checkpoint).
     """
     if self.mesh is None:
-      one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-      return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                                                   sharding=one), tree)
+      return with_shardings(tree, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
     return with_shardings(tree, self.state_shardings(tree) if shardings is None else shardings)
 
   # Arrays -----------------------------------------------------------------------------------
